@@ -1,0 +1,125 @@
+"""Capture and replay on CUDA, and the clean-up that keeps a failed capture harmless.
+
+>>> capture = CUDA.capture(lambda: step(*static_args), device=0, pool=CUDA.new_pool(0))
+>>> capture.graph.replay()
+
+One capture stream per device, reused by every capture: a fresh stream per capture would cost
+a cuBLAS workspace and allocator segments each time. ``capture_error_mode="thread_local"`` so
+other threads' allocations and kernels do not invalidate the capture; one capture at a time in
+the process. A capture that CUDA rejects (a "hard" failure) is cleaned up as
+``shared/research/pytorch.md`` section 3.4 measured on torch 2.11: restore the caller's stream,
+end the allocator's routing and release the pool's reference (torch < 2.14 leaks both), and run
+one empty capture to reset the default generator (torch < 2.12 leaves it "capturing").
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._config import logger
+
+
+@dataclasses.dataclass
+class Capture:
+    """What one capture attempt produced."""
+
+    graph: Any
+    outputs: Any = None
+    error: Optional[BaseException] = None  # raised by the captured function
+    hard_error: Optional[BaseException] = None  # raised by CUDA when ending the capture
+    seconds: float = 0.0
+    memory_bytes: int = 0
+
+
+_capture_lock = threading.RLock()
+_streams: dict = {}
+
+
+def _capture_stream(device: int) -> "torch.cuda.Stream":
+    stream = _streams.get(device)
+    if stream is None:
+        stream = _streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def _end_quietly(graph: "torch.cuda.CUDAGraph") -> None:
+    # An empty graph (a function with no GPU work) makes torch warn that capture probably
+    # happened on the wrong stream; for us it is a legitimate, if useless, graph.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        graph.capture_end()
+
+
+def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Stream") -> None:
+    if torch.__version__ < "2.14":
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool)
+        except RuntimeError:
+            pass  # torch >= 2.12 may have ended the routing already
+        torch._C._cuda_releasePool(device, pool)
+    if torch.__version__ < "2.12":
+        reset = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            reset.capture_begin(capture_error_mode="thread_local")
+            _end_quietly(reset)
+        del reset
+
+
+class CudaGraphs:
+    """The real backend: ``torch.cuda.CUDAGraph`` on one capture stream per device."""
+
+    device_type = "cuda"
+
+    def new_pool(self, device: int) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def reserved_bytes(self, device: int) -> int:
+        return torch.cuda.memory_reserved(device)
+
+    def capture(self, run: Callable[[], Any], device: int, pool: Any) -> Capture:
+        graph = torch.cuda.CUDAGraph()
+        result = Capture(graph)
+        with _capture_lock, torch.cuda.device(device):
+            caller = torch.cuda.current_stream(device)
+            stream = _capture_stream(device)
+            stream.wait_stream(caller)
+            reserved_before = self.reserved_bytes(device)
+            started = time.perf_counter()
+            # Autocast's weight cache would hand the graph casts made before capture, which
+            # die when the autocast block ends; without the cache the casts are captured.
+            cache_enabled = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(False)
+            try:
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        result.outputs = run()
+                    except BaseException as error:  # noqa: B902 - re-raised by the caller
+                        result.error = error
+                    finally:
+                        try:
+                            _end_quietly(graph)
+                        except RuntimeError as error:
+                            result.hard_error = error
+                if result.hard_error is not None:
+                    _recover_from_hard_failure(device, pool, stream)
+                    logger.debug("cleaned up after a failed capture on cuda:%d", device)
+            finally:
+                torch.set_autocast_cache_enabled(cache_enabled)
+                caller.wait_stream(stream)
+            result.seconds = time.perf_counter() - started
+            result.memory_bytes = max(0, self.reserved_bytes(device) - reserved_before)
+        return result
+
+    def free(self, device: int) -> None:
+        """Wait for replays in flight, then give freed graph memory back to the device."""
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+CUDA = CudaGraphs()

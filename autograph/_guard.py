@@ -1,0 +1,298 @@
+"""The guard: find what a CUDA graph cannot replay faithfully, and say where it happened.
+
+>>> with UnsafeOpDetector("cuda", raise_on_unsafe=False) as detector:
+...     step(x)                      # a real call: nothing is changed, findings are recorded
+>>> detector.finding.message()
+'.item() at model.py:42 synchronises with the host'
+
+Two layers (SPEC 3):
+- a ``TorchDispatchMode`` sees every ATen op of the calling thread: host reads
+  (``.item()``, ``bool(t)``), device-to-host copies, pageable host-to-device copies and ops
+  whose output shape depends on the data (``nonzero``, boolean masks, ``unique``);
+- temporary, thread-checked patches of ``torch.cuda.synchronize`` and of the ``Stream`` and
+  ``Event`` waits, which are not ATen ops.
+The detector observes during the last warmup call (nothing raised: the user's real call runs
+as written) and raises ``GuardError`` during capture, so a capture stops before CUDA fails.
+What slips past both (code that disables dispatch modes, C extensions) makes CUDA reject the
+capture; ``classify_capture_error`` turns those errors into findings too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import os
+import sys
+import threading
+import traceback
+from types import FrameType, TracebackType
+from typing import Any, Callable, Iterable, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+_SKIPPED_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One unsafe operation: what it was, what it does, and where in the user's code."""
+
+    operation: str
+    consequence: str
+    location: str = "an unknown line"
+    source: str = ""
+
+    def message(self) -> str:
+        return f"{self.operation} at {self.location} {self.consequence}"
+
+
+class GuardError(RuntimeError):
+    """Raised inside a capture to stop it before CUDA sees an unsafe operation."""
+
+    def __init__(self, finding: Finding):
+        super().__init__(f"autograph stopped a capture: {finding.message()}")
+        self.finding = finding
+
+
+def is_user_file(filename: str) -> bool:
+    return not filename.startswith(_SKIPPED_DIRS)
+
+
+def _location(filename: str, lineno: int) -> Tuple[str, str]:
+    source = linecache.getline(filename, lineno).strip()
+    return f"{os.path.basename(filename)}:{lineno}", source
+
+
+def location_of_caller(frame: Optional[FrameType]) -> Tuple[str, str]:
+    """The first frame outside torch and autograph, walking outwards from ``frame``."""
+    while frame is not None:
+        if is_user_file(frame.f_code.co_filename):
+            return _location(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return "an unknown line", ""
+
+
+def location_in_traceback(tb: Optional[TracebackType]) -> Tuple[str, str]:
+    """The innermost frame of a traceback that is outside torch and autograph."""
+    found = ("an unknown line", "")
+    for entry in traceback.extract_tb(tb):
+        if is_user_file(entry.filename) and entry.lineno is not None:
+            found = _location(entry.filename, entry.lineno)
+    return found
+
+
+def _host_read_name(source: str) -> str:
+    """Name the Python construct behind ``aten._local_scalar_dense`` from the source line."""
+    for needle, name in ((".item()", ".item()"), (".tolist()", ".tolist()"),
+                         ("bool(", "bool(tensor)"), ("int(", "int(tensor)"),
+                         ("float(", "float(tensor)")):
+        if needle in source:
+            return name
+    if source.startswith(("if ", "elif ", "while ", "assert ")) or " if " in source:
+        return "a tensor used as a Python condition"
+    return "reading a tensor's value in Python"
+
+
+def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
+    location, source = location_of_caller(frame)
+    if operation == "host read":
+        operation = _host_read_name(source)
+    return Finding(operation, consequence, location, source)
+
+
+_DATA_DEPENDENT_NAMES = {
+    "nonzero": "torch.nonzero (or one-argument torch.where)",
+    "argwhere": "torch.argwhere",
+    "masked_select": "torch.masked_select",
+    "index": "boolean-mask indexing",
+    "index_put": "boolean-mask assignment",
+    "_unique2": "torch.unique",
+    "unique_dim": "torch.unique",
+    "unique_consecutive": "torch.unique_consecutive",
+    "repeat_interleave": "torch.repeat_interleave without output_size",
+}
+# Indexing is capturable with integer indices; a boolean mask becomes nonzero() inside.
+_INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
+              "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
+_SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
+_SYNC_CONSEQUENCE = "synchronises with the host"
+
+
+def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(v)
+
+
+def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
+               ) -> Optional[Tuple[str, str]]:
+    """(operation, consequence) when ``func`` cannot be captured on ``device_type``."""
+    tags = func.tags
+    on_device = any(t.device.type == device_type for t in _tensors(args))
+    if torch.Tag.data_dependent_output in tags and on_device:
+        return "host read", _SYNC_CONSEQUENCE
+    packet = func.overloadpacket
+    if packet in (_aten._to_copy, _aten.copy_, _aten._copy_from):
+        if packet is _aten._to_copy:
+            src, dst_type = args[0], torch.device(kwargs.get("device") or args[0].device).type
+        else:
+            src, dst_type = args[1] if packet is _aten.copy_ else args[0], args[0].device.type
+            if packet is _aten._copy_from:
+                dst_type = args[1].device.type
+        if src.device.type == device_type and dst_type == "cpu" != device_type:
+            return ".cpu() / .tolist() / .to('cpu')", "copies GPU data to the host, which synchronises"
+        if (src.device.type == "cpu" and dst_type == device_type != "cpu"
+                and src.numel() > 0 and not src.is_pinned()):
+            return ("a copy from pageable host memory to the GPU",
+                    "cannot be captured: create the tensor on the GPU or pin it")
+        return None
+    name = packet.__name__
+    if name in _INDEX_OPS and on_device:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return _DATA_DEPENDENT_NAMES[_INDEX_OPS[name]], _SHAPE_CONSEQUENCE
+        return None
+    if torch.Tag.dynamic_output_shape in tags and on_device:
+        if name == "repeat_interleave" and kwargs.get("output_size") is not None:
+            return None
+        return _DATA_DEPENDENT_NAMES.get(name, f"torch.{name}"), _SHAPE_CONSEQUENCE
+    return None
+
+
+_local = threading.local()
+_patch_lock = threading.Lock()
+_patch_users = 0
+_originals: dict = {}
+
+
+def _sync_targets() -> list:
+    return [
+        (torch.cuda, "synchronize", "torch.cuda.synchronize()", "waits for the whole GPU"),
+        (torch.cuda.Stream, "synchronize", "Stream.synchronize()", _SYNC_CONSEQUENCE),
+        (torch.cuda.Stream, "query", "Stream.query()", "polls the GPU from the host"),
+        (torch.cuda.Event, "synchronize", "Event.synchronize()", _SYNC_CONSEQUENCE),
+        (torch.cuda.Event, "query", "Event.query()", "polls the GPU from the host"),
+    ]
+
+
+def _guarded(original: Callable, operation: str, consequence: str) -> Callable:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        detector = getattr(_local, "detector", None)
+        if detector is not None:
+            detector.report(operation, consequence, sys._getframe(1))
+        return original(*args, **kwargs)
+
+    guarded.__wrapped__ = original  # type: ignore[attr-defined]
+    return guarded
+
+
+def _install_patches() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users > 1:
+            return
+        for owner, name, operation, consequence in _sync_targets():
+            original = owner.__dict__[name]
+            _originals[(owner, name)] = original
+            setattr(owner, name, _guarded(original, operation, consequence))
+
+
+def _remove_patches() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users:
+            return
+        for (owner, name), original in _originals.items():
+            setattr(owner, name, original)
+        _originals.clear()
+
+
+class UnsafeOpDetector(TorchDispatchMode):
+    """Record (or stop at) the first unsafe operation made by the current thread.
+
+    ``device_type`` is the device whose work is being graphed ("cuda"; the CPU emulation used
+    by the test suite passes "cpu"). With ``raise_on_unsafe`` the first finding raises
+    ``GuardError``; otherwise calls proceed unchanged and the first finding is kept.
+    """
+
+    def __init__(self, device_type: str, raise_on_unsafe: bool):
+        super().__init__()
+        self.device_type = device_type
+        self.raise_on_unsafe = raise_on_unsafe
+        self.finding: Optional[Finding] = None
+
+    def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
+        if self.finding is None:
+            self.finding = _finding(operation, consequence, frame)
+        if self.raise_on_unsafe:
+            raise GuardError(self.finding)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        unsafe = _unsafe_op(func, args, kwargs, self.device_type)
+        if unsafe is not None:
+            self.report(*unsafe, sys._getframe(1))
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> "UnsafeOpDetector":
+        self._outer = getattr(_local, "detector", None)
+        _local.detector = self
+        _install_patches()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._leave()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        _local.detector = self._outer
+        _remove_patches()
+
+
+# Errors that CUDA or PyTorch raise when work cannot be captured, with plain words for each.
+_CAPTURE_ERRORS = (
+    ("operation not permitted when stream is capturing",
+     "made a CUDA call that stream capture does not allow"),
+    ("operation failed due to a previous error during capture",
+     "made a CUDA call that invalidated the capture"),
+    ("called a synchronizing CUDA operation", _SYNC_CONSEQUENCE),
+    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+     "copies between pageable host memory and the GPU, which cannot be captured"),
+    ("during CUDA graph capture", "is not allowed during CUDA graph capture"),
+    ("graph capture", "failed during CUDA graph capture"),
+    ("CUDA generator", "uses a CUDA random generator that the capture does not know"),
+    ("Offset increment outside graph capture", "left the CUDA random generator unusable"),
+)
+
+
+def classify_capture_error(error: BaseException) -> Optional[Finding]:
+    """A finding when ``error`` comes from capturing, or None for the user's own error."""
+    if isinstance(error, GuardError):
+        return error.finding
+    text = str(error)
+    first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    for needle, consequence in _CAPTURE_ERRORS:
+        if needle in text:
+            break
+    else:
+        accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
+        if not (isinstance(error, accelerator_error) or "CUDA error" in text):
+            return None
+        consequence = "failed during CUDA graph capture"
+    location, source = location_in_traceback(error.__traceback__)
+    return Finding(f"a CUDA call ({first_line})", consequence, location, source)

@@ -1,0 +1,156 @@
+"""The guard's detection on CPU tensors (the CPU emulation graphs "cpu" work)."""
+import pytest
+import torch
+
+from autograph._guard import (Finding, GuardError, UnsafeOpDetector,
+                              classify_capture_error)
+
+
+def observe(fn, *args):
+    with UnsafeOpDetector("cpu", raise_on_unsafe=False) as detector:
+        fn(*args)
+    return detector.finding
+
+
+def item(x):
+    return x.sum().item()
+
+
+def condition(x):
+    if x.sum() > 0:
+        return x
+    return -x
+
+
+def as_bool(x):
+    return bool(x.any())
+
+
+def nonzero(x):
+    return torch.nonzero(x)
+
+
+def one_argument_where(x):
+    return torch.where(x > 0)
+
+
+def masked_select(x):
+    return torch.masked_select(x, x > 0)
+
+
+def mask_index(x):
+    return x[x > 0]
+
+
+def mask_assign(x):
+    x[x > 0] = 0
+    return x
+
+
+def unique(x):
+    return torch.unique(x)
+
+
+def equal(x):
+    return torch.equal(x, x)
+
+
+UNSAFE = [
+    (item, ".item()", "synchronises with the host"),
+    (condition, "a tensor used as a Python condition", "synchronises"),
+    (as_bool, "bool(tensor)", "synchronises"),
+    (nonzero, "torch.nonzero", "depends on the data"),
+    (one_argument_where, "torch.nonzero", "depends on the data"),
+    (masked_select, "torch.masked_select", "depends on the data"),
+    (mask_index, "boolean-mask indexing", "depends on the data"),
+    (mask_assign, "boolean-mask assignment", "depends on the data"),
+    (unique, "torch.unique", "depends on the data"),
+    (equal, "reading a tensor's value in Python", "synchronises"),
+]
+
+
+@pytest.mark.parametrize("fn, operation, consequence", UNSAFE, ids=[u[0].__name__ for u in UNSAFE])
+def test_unsafe_operation_is_found_at_the_users_line(fn, operation, consequence):
+    finding = observe(fn, torch.randn(8))
+    assert finding is not None
+    assert finding.operation.startswith(operation)
+    assert consequence in finding.consequence
+    line = fn.__code__.co_firstlineno + 1
+    assert finding.location in (f"test_guard.py:{line}", f"test_guard.py:{line + 1}")
+
+
+def graph_safe(x):
+    idx = torch.tensor([0, 2])
+    y = x[idx] + x[1:3] * 2                       # integer and slice indexing
+    y = torch.where(y > 0, y, -y)                 # three-argument where
+    y = torch.nn.functional.dropout(y, 0.5)       # RNG
+    cache = torch.zeros(4, 2)
+    cache.index_copy_(0, torch.tensor([1]), y[None])  # KV-cache style write
+    return torch.repeat_interleave(y, 2, output_size=4), cache @ torch.ones(2, 2)
+
+
+def test_graph_safe_code_is_not_flagged():
+    assert observe(graph_safe, torch.randn(8)) is None
+
+
+def test_raise_mode_stops_at_the_first_unsafe_operation():
+    with pytest.raises(GuardError, match=r"\.item\(\) at test_guard.py:\d+"):
+        with UnsafeOpDetector("cpu", raise_on_unsafe=True):
+            item(torch.ones(2))
+
+
+def test_synchronize_and_stream_waits_are_caught_and_patches_removed():
+    originals = (torch.cuda.synchronize, torch.cuda.Stream.synchronize,
+                 torch.cuda.Event.synchronize, torch.cuda.Event.query)
+    for call, name in [(lambda: torch.cuda.synchronize(), "torch.cuda.synchronize()"),
+                       (lambda: torch.cuda.Event.query(None), "Event.query()"),
+                       (lambda: torch.cuda.Stream.synchronize(None), "Stream.synchronize()")]:
+        with pytest.raises(GuardError, match=name.replace("(", r"\(").replace(")", r"\)")):
+            with UnsafeOpDetector("cpu", raise_on_unsafe=True):
+                call()
+    assert originals == (torch.cuda.synchronize, torch.cuda.Stream.synchronize,
+                         torch.cuda.Event.synchronize, torch.cuda.Event.query)
+
+
+def test_other_devices_and_other_threads_are_not_watched():
+    import threading
+    results = []
+    with UnsafeOpDetector("cuda", raise_on_unsafe=True):
+        results.append(torch.ones(2).sum().item())    # CPU work while graphing "cuda"
+        worker = threading.Thread(target=lambda: results.append(
+            observe_free(lambda: torch.ones(1).item())))
+        worker.start()
+        worker.join()
+    assert results == [2.0, 1.0]
+
+
+def observe_free(fn):
+    return fn()
+
+
+def test_pageable_copy_to_the_device_is_flagged():
+    from autograph._guard import _unsafe_op
+    x = torch.ones(3)
+    op = torch.ops.aten._to_copy.default
+    assert _unsafe_op(op, (x,), {"device": torch.device("cuda")}, "cuda")[0].startswith(
+        "a copy from pageable host memory")
+    assert _unsafe_op(op, (x,), {"dtype": torch.float16}, "cuda") is None
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("CUDA error: operation not permitted when stream is capturing",
+     "made a CUDA call that stream capture does not allow"),
+    ("CUDA error: operation failed due to a previous error during capture",
+     "invalidated the capture"),
+    ("called a synchronizing CUDA operation", "synchronises with the host"),
+    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+     "tensor is pinned.", "pageable host memory"),
+])
+def test_capture_errors_are_classified(message, expected):
+    finding = classify_capture_error(RuntimeError(message))
+    assert isinstance(finding, Finding) and expected in finding.consequence
+
+
+def test_users_own_errors_are_not_capture_errors():
+    assert classify_capture_error(ValueError("bad shape")) is None
+    assert classify_capture_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None

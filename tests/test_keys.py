@@ -1,0 +1,116 @@
+"""Keys (SPEC 2.1): what makes two calls share a graph, and how a key reads in messages."""
+import collections
+import dataclasses
+import enum
+
+import pytest
+import torch
+
+from autograph._keys import call_key, describe_call, execution_state, flatten_output
+
+
+def key(*args, **kwargs):
+    return call_key(args, kwargs, execution_state(None))[0]
+
+
+def test_same_shapes_share_a_key_and_values_do_not_matter():
+    assert key(torch.zeros(2, 3), torch.ones(3)) == key(torch.randn(2, 3), torch.randn(3))
+
+
+@pytest.mark.parametrize("other", [
+    torch.zeros(2, 4),                      # shape
+    torch.zeros(2, 3, dtype=torch.float64),  # dtype
+    torch.zeros(3, 2).t(),                  # strides
+    torch.zeros(2, 3, requires_grad=True),  # requires_grad
+])
+def test_shape_dtype_strides_and_requires_grad_change_the_key(other):
+    assert key(torch.zeros(2, 3)) != key(other)
+
+
+def test_execution_state_changes_the_key():
+    x = torch.zeros(2)
+    base = key(x)
+    with torch.no_grad():
+        assert key(x) != base
+    with torch.inference_mode():
+        assert key(x) != base
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert key(x) != base
+    training = call_key((x,), {}, execution_state(True))[0]
+    evaluating = call_key((x,), {}, execution_state(False))[0]
+    assert training != evaluating
+
+
+def test_fast_path_returns_the_tensors_in_order():
+    a, b = torch.zeros(1), torch.ones(2)
+    _, tensors, keep_alive = call_key((a, b), {}, execution_state(None))
+    assert tensors[0] is a and tensors[1] is b and keep_alive == []
+
+
+class Mode(enum.Enum):
+    FAST = 1
+    SLOW = 2
+
+
+@dataclasses.dataclass
+class Batch:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    note: str = "x"
+
+
+Pair = collections.namedtuple("Pair", "left right")
+
+
+def test_pytrees_are_flattened_with_tensors_in_order():
+    t = [torch.zeros(i + 1) for i in range(6)]
+    args = ((t[0], [t[1], {"k": t[2]}]), Batch(t[3], t[4]), Pair(t[5], 3))
+    k, tensors, _ = call_key(args, {"mode": Mode.FAST, "dtype": torch.float16}, execution_state(None))
+    assert [x.numel() for x in tensors] == [1, 2, 3, 4, 5, 6]
+    assert k == key(*args, mode=Mode.FAST, dtype=torch.float16)
+    assert k != key(*args, mode=Mode.SLOW, dtype=torch.float16)
+    assert k != key(*args, mode=Mode.FAST, dtype=torch.float32)
+
+
+def test_constants_are_keyed_by_value_and_type():
+    x = torch.zeros(1)
+    assert key(x, 3) == key(x, 3)
+    assert key(x, 3) != key(x, 4)
+    assert key(x, 1) != key(x, True)
+    assert key(x, n=1) != key(x, 1)
+
+
+def test_unhashable_argument_is_a_clear_type_error():
+    with pytest.raises(TypeError, match=r"argument args\[1\] is an unhashable set"):
+        key(torch.zeros(1), {1, 2})
+
+
+def test_objects_hashed_by_identity_are_kept_alive():
+    class Cache:
+        pass
+
+    cache = Cache()
+    k, _, keep_alive = call_key((torch.zeros(1), cache), {}, execution_state(None))
+    assert keep_alive == [cache]
+    assert k != key(torch.zeros(1), Cache())
+
+
+def test_describe_reads_like_the_spec():
+    x, w = torch.zeros(8, 512), torch.zeros(512, 512, dtype=torch.bfloat16)
+    text = describe_call(["x", "w"], (x, w), {"n": 3}, execution_state(None))
+    assert text == "x: f32[8, 512] cpu, w: bf16[512, 512] cpu, n=3"
+    with torch.no_grad():
+        assert describe_call(["x"], (x,), {}, execution_state(False)).endswith("(no_grad, eval)")
+    nested = describe_call(["batch"], ({"ids": torch.zeros(2, dtype=torch.int64)},), {},
+                           execution_state(None))
+    assert nested == "batch['ids']: i64[2] cpu"
+
+
+def test_output_flatten_and_rebuild_round_trip():
+    t = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    out = {"a": (t[0], [t[1]]), "b": Batch(t[2], t[0], "note"), "c": Pair(1, None)}
+    leaves, rebuild = flatten_output(out)
+    again = rebuild(leaves)
+    assert again["a"][0] is t[0] and again["a"][1][0] is t[1]
+    assert isinstance(again["b"], Batch) and again["b"].ids is t[2] and again["b"].note == "note"
+    assert again["c"] == Pair(1, None)
