@@ -13,11 +13,13 @@ one empty capture to reset the default generator (torch < 2.12 leaves it "captur
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import threading
 import time
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -45,6 +47,44 @@ def _capture_stream(device: int) -> "torch.cuda.Stream":
     if stream is None:
         stream = _streams[device] = torch.cuda.Stream(device)
     return stream
+
+
+_prepared = threading.local()
+
+
+def _create_library_handles(device: int, stream: "torch.cuda.Stream") -> None:
+    """Create this thread's cuBLAS, cuBLASLt and cuDNN handles before its first capture.
+
+    Handles are per thread; creating one inside a capture fails
+    (CUBLAS_STATUS_NOT_INITIALIZED), and the warmup may have run in another thread.
+    """
+    done = getattr(_prepared, "devices", None)
+    if done is None:
+        done = _prepared.devices = set()
+    if device in done:
+        return
+    with torch.cuda.stream(stream), torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.ones(8, 8, device=device, dtype=dtype)
+            torch.nn.functional.linear(a, a, a[0])
+            a @ a
+        if torch.backends.cudnn.is_available():
+            x = torch.ones(1, 1, 8, device=device)
+            torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
+    done.add(device)
+
+
+@contextlib.contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    # A collection during capture could destroy an unreachable CUDA graph, and freeing a
+    # graph inside another capture invalidates that capture (vLLM freezes gc likewise).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _end_quietly(graph: "torch.cuda.CUDAGraph") -> None:
@@ -84,10 +124,11 @@ class CudaGraphs:
     def capture(self, run: Callable[[], Any], device: int, pool: Any) -> Capture:
         graph = torch.cuda.CUDAGraph()
         result = Capture(graph)
-        with _capture_lock, torch.cuda.device(device):
+        with _capture_lock, torch.cuda.device(device), _no_garbage_collection():
             caller = torch.cuda.current_stream(device)
             stream = _capture_stream(device)
             stream.wait_stream(caller)
+            _create_library_handles(device, stream)
             reserved_before = self.reserved_bytes(device)
             started = time.perf_counter()
             # Autocast's weight cache would hand the graph casts made before capture, which

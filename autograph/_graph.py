@@ -175,10 +175,14 @@ class KeyGraph:
         """
         expanded = [_expanded_dims(t) for t in tensors]
         statics = []
-        for t, dims in zip(tensors, expanded):
-            static = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-            _narrow_expanded(static, dims).copy_(_narrow_expanded(t, dims))
-            statics.append(static)
+        # Normal tensors even under inference_mode: their version counters reveal the
+        # arguments the function writes to (inference tensors have none).
+        with torch.inference_mode(False):
+            for t, dims in zip(tensors, expanded):
+                static = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                             device=t.device)
+                _narrow_expanded(static, dims).copy_(_narrow_expanded(t, dims))
+                statics.append(static)
         leaves, rebuild = flatten_output((args, kwargs))
         substitutes = iter(statics)
         static_args, static_kwargs = rebuild(
@@ -201,10 +205,15 @@ class KeyGraph:
             raise CaptureFailed(finding)
         mutated = [i for i, s in enumerate(statics) if s._version != versions[i]]
         if capture.error is not None:
+            error = capture.error
             capture.graph.replay()
-            graph = cls(capture, statics, expanded, mutated, _Outputs(None, statics, "copy", label))
-            graph._copy_back(tensors)
-            raise capture.error
+            partial = cls(capture, statics, expanded, mutated,
+                          _Outputs(None, statics, "copy", label))
+            partial._copy_back(tensors)
+            # The traceback keeps this frame alive: drop the graph now, not at a later
+            # garbage collection that could land inside another capture.
+            del partial, capture
+            raise error
         graph = cls(capture, statics, expanded, mutated,
                     _Outputs(capture.outputs, statics, policy, label))
         return graph, graph._replay_and_produce(tensors)
