@@ -115,6 +115,12 @@ _DATA_DEPENDENT_NAMES = {
     "unique_consecutive": "torch.unique_consecutive",
     "repeat_interleave": "torch.repeat_interleave without output_size",
 }
+# A graph replays GPU work only: CPU results, and CPU values passed to GPU kernels, are
+# frozen at capture. Making a constant (torch.tensor([...])) is not computing.
+_CPU_CONSTANT_OPS = (_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy, _aten.detach,
+                     _aten.clone, _aten.empty_like, _aten.zeros_like, _aten.ones_like)
+_CPU_CONSEQUENCE = "runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes at capture"
+
 # Indexing is capturable with integer indices; a boolean mask becomes nonzero() inside.
 _INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
               "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
@@ -152,6 +158,9 @@ def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
             return ("a copy from pageable host memory to the GPU",
                     "cannot be captured: create the tensor on the GPU or pin it")
         return None
+    if device_type != "cpu" and not func.is_view and packet not in _CPU_CONSTANT_OPS and any(
+            t.device.type == "cpu" for t in _tensors(args)):
+        return "computing with a CPU tensor", _CPU_CONSEQUENCE
     name = packet.__name__
     if name in _INDEX_OPS and on_device:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
@@ -171,20 +180,36 @@ _patch_users = 0
 _originals: dict = {}
 
 
-def _sync_targets() -> list:
+def _on_device(args: tuple, device_type: str) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == device_type
+
+
+def _always(args: tuple, device_type: str) -> bool:
+    return True
+
+
+def _patch_targets() -> list:
+    """Host calls that are not ATen ops: (owner, attribute, operation, consequence, applies)."""
     return [
-        (torch.cuda, "synchronize", "torch.cuda.synchronize()", "waits for the whole GPU"),
-        (torch.cuda.Stream, "synchronize", "Stream.synchronize()", _SYNC_CONSEQUENCE),
-        (torch.cuda.Stream, "query", "Stream.query()", "polls the GPU from the host"),
-        (torch.cuda.Event, "synchronize", "Event.synchronize()", _SYNC_CONSEQUENCE),
-        (torch.cuda.Event, "query", "Event.query()", "polls the GPU from the host"),
+        (torch.cuda, "synchronize", "torch.cuda.synchronize()", "waits for the whole GPU",
+         _always),
+        (torch.cuda, "empty_cache", "torch.cuda.empty_cache()",
+         "changes the allocator, which a graph cannot replay", _always),
+        (torch.cuda.Stream, "synchronize", "Stream.synchronize()", _SYNC_CONSEQUENCE, _always),
+        (torch.cuda.Stream, "query", "Stream.query()", "polls the GPU from the host", _always),
+        (torch.cuda.Event, "synchronize", "Event.synchronize()", _SYNC_CONSEQUENCE, _always),
+        (torch.cuda.Event, "query", "Event.query()", "polls the GPU from the host", _always),
+        # Tensor.__repr__ turns dispatch modes off before it reads the values.
+        (torch._tensor_str, "_str", "print() or repr() of a GPU tensor",
+         "copies it to the host, which synchronises", _on_device),
     ]
 
 
-def _guarded(original: Callable, operation: str, consequence: str) -> Callable:
+def _guarded(original: Callable, operation: str, consequence: str,
+             applies: Callable[[tuple, str], bool]) -> Callable:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         detector = getattr(_local, "detector", None)
-        if detector is not None:
+        if detector is not None and applies(args, detector.device_type):
             detector.report(operation, consequence, sys._getframe(1))
         return original(*args, **kwargs)
 
@@ -198,10 +223,10 @@ def _install_patches() -> None:
         _patch_users += 1
         if _patch_users > 1:
             return
-        for owner, name, operation, consequence in _sync_targets():
+        for owner, name, operation, consequence, applies in _patch_targets():
             original = owner.__dict__[name]
             _originals[(owner, name)] = original
-            setattr(owner, name, _guarded(original, operation, consequence))
+            setattr(owner, name, _guarded(original, operation, consequence, applies))
 
 
 def _remove_patches() -> None:

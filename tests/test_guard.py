@@ -112,16 +112,22 @@ def test_synchronize_and_stream_waits_are_caught_and_patches_removed():
                          torch.cuda.Event.synchronize, torch.cuda.Event.query)
 
 
-def test_other_devices_and_other_threads_are_not_watched():
+def test_other_threads_and_cpu_constants_are_not_watched():
     import threading
     results = []
     with UnsafeOpDetector("cuda", raise_on_unsafe=True):
-        results.append(torch.ones(2).sum().item())    # CPU work while graphing "cuda"
+        results.append(torch.tensor([2.0]))      # a constant is not computing on the CPU
         worker = threading.Thread(target=lambda: results.append(
-            observe_free(lambda: torch.ones(1).item())))
+            observe_free(lambda: torch.ones(1).add(1).item())))
         worker.start()
         worker.join()
-    assert results == [2.0, 1.0]
+    assert results[1:] == [2.0]
+
+
+def test_computing_on_the_cpu_is_flagged_when_graphing_the_gpu():
+    with pytest.raises(GuardError, match="computing with a CPU tensor at test_guard.py"):
+        with UnsafeOpDetector("cuda", raise_on_unsafe=True):
+            torch.arange(4) * 2
 
 
 def observe_free(fn):
