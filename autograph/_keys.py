@@ -191,7 +191,9 @@ def _describe(path: str, obj: Any, parts: List[str]) -> None:
         return
     node = _children(obj)
     if node is None:
-        parts.append(f"{path}={_short_repr(obj)}")
+        keyed_by_identity = type(obj).__hash__ is object.__hash__
+        parts.append(f"{path}=<{type(obj).__name__}>" if keyed_by_identity
+                     else f"{path}={_short_repr(obj)}")
         return
     kind, children, context = node
     if kind is dict or (isinstance(context, tuple) and len(context) == len(children)
