@@ -154,8 +154,9 @@ class KeyGraph:
     """The captured graph of one key, with its static inputs and output plan."""
 
     def __init__(self, capture: Capture, statics: List[Tensor], expanded: List[Tuple[int, ...]],
-                 mutated: List[int], outputs: _Outputs):
+                 mutated: List[int], outputs: _Outputs, pool: Any = None):
         self.graph = capture.graph
+        self.pool = pool
         self.capture_seconds = capture.seconds
         self.memory_bytes = capture.memory_bytes
         self.statics = statics
@@ -215,7 +216,7 @@ class KeyGraph:
             del partial, capture
             raise error
         graph = cls(capture, statics, expanded, mutated,
-                    _Outputs(capture.outputs, statics, policy, label))
+                    _Outputs(capture.outputs, statics, policy, label), pool)
         return graph, graph._replay_and_produce(tensors)
 
     def writes_into_shared_memory(self, tensors: Sequence[Tensor]) -> bool:

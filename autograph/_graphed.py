@@ -14,6 +14,7 @@ guarded by one re-entrant lock, held from the key lookup to the copy of the outp
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -26,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, overload
 import torch
 import wrapt
 
-from . import _config, _stats
+from . import _config, _region, _stats
 from ._capture import CUDA
 from ._config import Options, logger
 from ._cpu_graphs import CPU, is_emulating
@@ -57,11 +58,13 @@ def _inside_a_capture() -> bool:
 class _Entry:
     """One key of one cache: its phase, counters and, once captured, its graph."""
 
-    __slots__ = ("label", "state", "calls", "eager_calls", "replays", "warmups", "reason",
-                 "strict_error", "graph", "backend", "device", "keep_alive")
+    __slots__ = ("label", "options", "state", "calls", "eager_calls", "replays", "warmups",
+                 "reason", "strict_error", "graph", "backend", "device", "keep_alive",
+                 "__weakref__")
 
-    def __init__(self, label: str, keep_alive: list):
+    def __init__(self, label: str, options: Options, keep_alive: list):
         self.label = label
+        self.options = options
         self.state = WARMUP
         self.calls = self.eager_calls = self.replays = self.warmups = 0
         self.reason: Optional[str] = None
@@ -181,13 +184,16 @@ _AUTOGRAD_REASON = (
 class _Engine:
     """The state and logic of one graphed function (shared by all its bound methods)."""
 
-    def __init__(self, fn: Callable, options: Options, name: str, number_instances: bool = True):
+    def __init__(self, fn: Callable, explicit: Dict[str, Any], name: str,
+                 number_instances: bool = True, signature_of: Optional[Callable] = None):
         self.fn = fn
         self.number_instances = number_instances
-        self.options = options
+        self.explicit = explicit  # the options the user set, which win over a region's
+        self.options = Options(**explicit)
+        self.region_options: Dict[tuple, Options] = {}
         self.name = name
         try:
-            params = list(inspect.signature(fn).parameters.values())
+            params = list(inspect.signature(signature_of or fn).parameters.values())
         except (TypeError, ValueError):
             params = []
         self.names = [p.name for p in params
@@ -214,17 +220,30 @@ class _Engine:
                     cache = self.instance_caches[instance] = _Cache(name, instance)
         return cache
 
+    def options_in(self, region: _region.Region) -> Options:
+        options = self.region_options.get(region.options_key)
+        if options is None:
+            options = Options(**{**region.explicit, **self.explicit})
+            self.region_options[region.options_key] = options
+        return options
+
     def __call__(self, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if _config.ENV.disable or _inside_a_capture():
-            return self.fn(*args, **kwargs) if instance is None \
-                else self.fn(instance, *args, **kwargs)
+        region = _region.current()
+        if _config.ENV.disable or _inside_a_capture() or (region and not region.enabled):
+            with _region.nested_calls():
+                return self.fn(*args, **kwargs) if instance is None \
+                    else self.fn(instance, *args, **kwargs)
         cache = self.cache_for(instance)
         training = instance.training if cache.module_ref is not None else None
         key, tensors, keep_alive = call_key(args, kwargs, execution_state(training))
+        options = self.options if region is None else self.options_in(region)
+        if options is not self.options and options != self.options:
+            key = (key, options)
         with cache.lock:
             entry = cache.entries.get(key)
             if entry is None:
-                entry = self._new_entry(cache, key, instance, args, kwargs, tensors, keep_alive)
+                entry = self._new_entry(cache, key, instance, args, kwargs, tensors, keep_alive,
+                                        options)
             entry.calls += 1
             state = entry.state
             if state == GRAPHED:
@@ -236,31 +255,37 @@ class _Engine:
                     if entry.backend is CUDA:
                         cache.order_after_last_stream()
                     entry.replays += 1
+                    if region is not None:
+                        region.note(cache.name, entry, "replays")
                     return entry.graph.replay(tensors)
             fn = self.fn if instance is None else functools.partial(self.fn, instance)
             if state == WARMUP:
-                return self._warmup(cache, entry, fn, args, kwargs)
+                return self._warmup(entry, fn, args, kwargs, region, cache.name)
             if entry.state == CAPTURE:
-                outputs = self._capture(cache, entry, fn, args, kwargs, tensors)
+                outputs = self._capture(cache, entry, fn, args, kwargs, tensors, region)
                 if entry.state == GRAPHED:
                     return outputs
             if entry.strict_error is not None:
                 raise CaptureError(entry.strict_error)
             entry.eager_calls += 1
-        return fn(*args, **kwargs)
+            if region is not None:
+                region.note(cache.name, entry, "eager_calls")
+        with _region.nested_calls():
+            return fn(*args, **kwargs)
 
     def _new_entry(self, cache: _Cache, key: tuple, instance: Any, args: tuple, kwargs: dict,
-                   tensors: List[torch.Tensor], keep_alive: list) -> _Entry:
+                   tensors: List[torch.Tensor], keep_alive: list, options: Options) -> _Entry:
         names = self.names[1:] if instance is not None else self.names
-        entry = _Entry(describe_call(names, args, kwargs, key[-1]), keep_alive)
+        state = execution_state(instance.training if cache.module_ref is not None else None)
+        entry = _Entry(describe_call(names, args, kwargs, state), options, keep_alive)
         cache.entries[key] = entry
         entry.backend, entry.device, reason, loud = _devices(tensors)
         if reason is None and torch.is_grad_enabled() and (
                 any(t.requires_grad for t in tensors) or any(
                     p.requires_grad for p in (instance.parameters() if cache.module_ref else ()))):
             reason, loud = _AUTOGRAD_REASON, True
-        if reason is None and cache.graphed_keys() > self.options.max_graphs:
-            reason, loud = (f"{self.name} already has max_graphs={self.options.max_graphs} "
+        if reason is None and cache.graphed_keys() > options.max_graphs:
+            reason, loud = (f"{self.name} already has max_graphs={options.max_graphs} "
                             f"graphs; raise max_graphs, or pad inputs to fewer shapes"), False
             if not cache.said_max_graphs:
                 cache.said_max_graphs = True
@@ -273,22 +298,25 @@ class _Engine:
     def _fall_back(self, entry: _Entry, reason: str, loud: bool) -> None:
         entry.state, entry.reason, entry.graph = EAGER, reason, None
         message = f"{self.name}({entry.label}) runs eagerly: {reason}"
-        if loud and self.options.raises_on_fallback:
+        if loud and entry.options.raises_on_fallback:
             entry.strict_error = message
             raise CaptureError(message)
         if loud:
             _warn(message)
         logger.info(message)
 
-    def _warmup(self, cache: _Cache, entry: _Entry, fn: Callable, args: tuple,
-                kwargs: dict) -> Any:
+    def _warmup(self, entry: _Entry, fn: Callable, args: tuple, kwargs: dict,
+                region: Optional[_region.Region], name: str) -> Any:
         entry.eager_calls += 1
-        if entry.warmups + 1 < self.options.warmup:
-            outputs = fn(*args, **kwargs)
-            entry.warmups += 1
-            return outputs
-        with UnsafeOpDetector(entry.backend.device_type, raise_on_unsafe=False) as detector:
-            outputs = fn(*args, **kwargs)
+        if region is not None:
+            region.note(name, entry, "eager_calls")
+        with _region.nested_calls():
+            if entry.warmups + 1 < entry.options.warmup:
+                outputs = fn(*args, **kwargs)
+                entry.warmups += 1
+                return outputs
+            with UnsafeOpDetector(entry.backend.device_type, raise_on_unsafe=False) as detector:
+                outputs = fn(*args, **kwargs)
         entry.warmups += 1
         if detector.finding is not None:
             self._fall_back(entry, detector.finding.message(), loud=True)
@@ -301,18 +329,23 @@ class _Engine:
         return outputs
 
     def _capture(self, cache: _Cache, entry: _Entry, fn: Callable, args: tuple, kwargs: dict,
-                 tensors: List[torch.Tensor]) -> Any:
+                 tensors: List[torch.Tensor], region: Optional[_region.Region]) -> Any:
         cache.track_module_tensors()
         label = f"{self.name}({entry.label})"
+        pool = (region or cache).pool(entry.backend, entry.device)
         try:
-            graph, outputs = KeyGraph.capture(
-                fn, args, kwargs, tensors, entry.backend, entry.device,
-                cache.pool(entry.backend, entry.device), self.options.outputs, label)
+            with _region.nested_calls():
+                graph, outputs = KeyGraph.capture(
+                    fn, args, kwargs, tensors, entry.backend, entry.device, pool,
+                    entry.options.outputs, label)
         except CaptureFailed as failed:
             self._fall_back(entry, failed.finding.message(), loud=True)
             return None
         entry.graph, entry.state = graph, GRAPHED
         entry.replays += 1
+        if region is not None:
+            region.note(cache.name, entry, "captures")
+            region.note(cache.name, entry, "replays")
         logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
                     graph.memory_bytes / 2**20)
         return outputs
@@ -349,7 +382,7 @@ class GraphedFunction(wrapt.ObjectProxy):
     ``reset()``. On a class it binds like a method, with separate graphs per instance.
     """
 
-    def __init__(self, fn: Callable, options: Options):
+    def __init__(self, fn: Callable, options: Dict[str, Any]):
         super().__init__(fn)
         self._self_engine = _Engine(fn, options, getattr(fn, "__qualname__", repr(fn)))
 
@@ -406,12 +439,26 @@ class BoundGraphedMethod:
         self._self_engine.reset()
 
 
-def _graph_module(module: torch.nn.Module, options: Options) -> torch.nn.Module:
+def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.Module:
     forward = type(module).forward
     engine = _Engine(forward, options, type(module).__name__, number_instances=False)
     # An instance attribute: nn.Module.__call__ finds it first; the module stays itself.
     module.forward = BoundGraphedMethod(engine, module)
     return module
+
+
+def engine_for_module_calls(module: torch.nn.Module, call: Callable) -> _Engine:
+    """The engine a region uses for one module: whole calls, hooks included, region options."""
+    return _Engine(call, {}, type(module).__name__, number_instances=False,
+                   signature_of=type(module).forward)
+
+
+def check_option_names(options: Dict[str, Any], where: str) -> None:
+    known = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{where} got unknown option(s) {unknown}; "
+                        f"the options are {sorted(known)}.")
 
 
 @overload
@@ -437,20 +484,17 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     (``"copy"``: the caller owns the outputs, the default; ``"static"``: the graph's buffers,
     valid until the next call, stale reads raise), ``max_graphs`` (graphs per function, or
     per instance for methods; later keys run eagerly, default 16), ``strict`` (raise
-    ``CaptureError`` instead of falling back; default from ``AUTOGRAPH_STRICT``).
+    ``CaptureError`` instead of falling back; default from ``AUTOGRAPH_STRICT``). Options set
+    here win over those of an enclosing ``autograph.region``.
     """
-    known = {f.name for f in Options.__dataclass_fields__.values()}  # type: ignore[attr-defined]
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"autograph.graphed got unknown option(s) {unknown}; "
-                        f"the options are {sorted(known)}.")
-    checked = Options(**options)
+    check_option_names(options, "autograph.graphed")
+    Options(**options)  # validate now, not at the first call
     if fn is None:
-        return lambda f: _graph(f, checked)
-    return _graph(fn, checked)
+        return lambda f: _graph(f, options)
+    return _graph(fn, options)
 
 
-def _graph(fn: Any, options: Options) -> Any:
+def _graph(fn: Any, options: Dict[str, Any]) -> Any:
     if isinstance(fn, torch.nn.Module):
         return _graph_module(fn, options)
     if not callable(fn):

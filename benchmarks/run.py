@@ -135,8 +135,15 @@ def case_llama(rows, with_compile):
                    note=f"first call (warmup+capture) {first:.2f} s;")
         with_ratio(rows, us, hand_us)
         decorated = autograph.graphed(stepper(copy.deepcopy(model)))
-        us = timed(rows, name, "autograph.graphed(step function)", lambda: decorated(ids, pos))
+        decorated_us = timed(rows, name, "autograph.graphed(step function)",
+                             lambda: decorated(ids, pos))
+        with_ratio(rows, decorated_us, hand_us)
+        in_region = stepper(copy.deepcopy(model))
+        with autograph.region():
+            us = timed(rows, name, "HF decode in autograph.region()", lambda: in_region(ids, pos))
         with_ratio(rows, us, hand_us)
+        if us and decorated_us:
+            rows[-1]["note"] += f", {us / decorated_us:.3f}x the decorated step"
         row = [r for r in graphed_model.forward.stats() if "[1, 1]" in r.key][0]
         assert row.state == "graphed", row
 
