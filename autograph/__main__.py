@@ -35,7 +35,7 @@ def doctor() -> int:
 
     x = torch.randn(16, device="cuda")
     ok = all(torch.equal(check(x), torch.sin(x) * 2) for _ in range(3))
-    row = check.stats()[0]
+    row = check.stats()[0]  # type: ignore[attr-defined]
     if ok and row.state == "graphed":
         print(f"capture and replay work: a test graph was captured in "
               f"{row.capture_seconds * 1e3:.1f} ms and replayed.")

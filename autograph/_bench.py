@@ -69,7 +69,10 @@ def format_rows(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
     """A Markdown table of ``rows`` (dicts) in ``columns`` order."""
     cells = [[str(r.get(c, "")) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+    def line(values: Sequence[str]) -> str:
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 
@@ -84,7 +87,7 @@ def demo() -> None:
         with torch.no_grad():
             eager = per_call_us(lambda: model(x), calls=20, repeats=3, warmup=2)
             graphed = per_call_us(lambda: step(x), calls=20, repeats=3, warmup=2)
-        reason = step.forward.stats()[0].fallback_reason
+        reason = step.forward.stats()[0].fallback_reason  # type: ignore[attr-defined]
         print("No CUDA GPU here, so autograph ran every call eagerly, as it should "
               f"(recorded reason: {reason!r}).\n"
               f"32-layer MLP at batch 1 on the CPU: eager {eager:.0f} us/call, through "
@@ -98,11 +101,9 @@ def demo() -> None:
     x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         hand = hand_written(model, [x])
-        rows = [
-            {"variant": "eager", "us/call": f"{per_call_us(lambda: model(x)):.1f}"},
-            {"variant": "hand-written capture/replay", "us/call": f"{per_call_us(lambda: hand(x)):.1f}"},
-            {"variant": "autograph.graphed", "us/call": f"{per_call_us(lambda: step(x)):.1f}"},
-        ]
+        calls = [("eager", lambda: model(x)), ("hand-written capture/replay", lambda: hand(x)),
+                 ("autograph.graphed", lambda: step(x))]
+        rows = [{"variant": name, "us/call": f"{per_call_us(call):.1f}"} for name, call in calls]
         same = torch.equal(step(x), model(x))
     print(f"32-layer Linear(512)+GELU MLP, batch 1, bf16, on {torch.cuda.get_device_name()}"
           f" (torch {torch.__version__}):\n")

@@ -78,8 +78,9 @@ class Options:
     def __post_init__(self) -> None:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
             raise ValueError(
-                f"warmup={self.warmup!r}: it must be an int >= 1, because the first call of a new "
-                f"key runs eagerly to initialise lazy state (cuBLAS handles, caches) before capture."
+                f"warmup={self.warmup!r}: it must be an int >= 1, because the first call of a "
+                f"new key runs eagerly to initialise lazy state (cuBLAS handles, caches) before "
+                f"capture."
             )
         if self.outputs not in _OUTPUT_POLICIES:
             raise ValueError(

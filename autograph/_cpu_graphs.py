@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._capture import Capture
+from ._guard import is_view
 
 
 def _written_tensors(func: Any, args: tuple, kwargs: dict) -> List[torch.Tensor]:
@@ -53,12 +54,14 @@ class _Recorder(TorchDispatchMode):
                 self.saved.append((t, t.detach().clone()))
                 self.created.add(self._storage(t))  # save each outside storage once
         out = func(*args, **kwargs)
-        if not func.is_view and not _written_tensors(func, args, kwargs):
+        if torch.Tag.inplace_view in func.tags:
+            return out  # metadata changes (t_, squeeze_) persist on the tensor, as on CUDA
+        if not is_view(func) and not _written_tensors(func, args, kwargs):
             for t in (out if isinstance(out, (list, tuple)) else [out]):
                 if isinstance(t, torch.Tensor):
                     self.created.add(self._storage(t))
             self.ops.append((func, args, kwargs, out))
-        elif not func.is_view:
+        elif not is_view(func):
             self.ops.append((func, args, kwargs, None))
         return out
 

@@ -13,7 +13,7 @@ call's aliases are poisoned so a stale read raises instead of showing new data (
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -91,7 +91,8 @@ class _Outputs:
     def _copies(self) -> List[Tensor]:
         if not self.shared:
             return [o.clone() for o in self.owned]
-        copies, by_storage = [], {}
+        copies: List[Tensor] = []
+        by_storage: Dict[int, Any] = {}
         for o in self.owned:
             storage = o.untyped_storage()
             copy = by_storage.get(storage.data_ptr())
@@ -104,7 +105,8 @@ class _Outputs:
 
     def _aliases(self) -> List[Tensor]:
         self.poison()
-        aliases, by_storage = [], {}
+        aliases: List[Tensor] = []
+        by_storage: Dict[int, Any] = {}
         for o in self.owned:
             storage = o.untyped_storage()
             alias = by_storage.get(storage.data_ptr())

@@ -22,6 +22,7 @@ import sys
 import threading
 import warnings
 import weakref
+from types import FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, overload
 
 import torch
@@ -44,7 +45,8 @@ WARMUP, CAPTURE, GRAPHED, EAGER = "warmup", "capture", "graphed", "eager"
 def _warn(message: str) -> None:
     """Warn at the user's call of the graphed function: the first frame outside autograph
     and torch (a module's forward is called from ``nn.Module.__call__``)."""
-    frame, level = sys._getframe(1), 2
+    frame: Optional[FrameType] = sys._getframe(1)
+    level = 2
     while frame is not None and not is_user_file(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, AutographWarning, stacklevel=level)
@@ -100,7 +102,7 @@ class _Cache:
         self.tracked: List[torch.Tensor] = []
         self.tracked_ptrs: List[int] = []
         self.last_stream: Any = None
-        self.last_raw_stream = None
+        self.last_raw_stream: Optional[int] = None
 
     def graphed_keys(self) -> int:
         return sum(e.state != EAGER for e in self.entries.values())
@@ -124,7 +126,7 @@ class _Cache:
                     self.name)
         self.tracked, self.tracked_ptrs = [], []
         for entry in self.entries.values():
-            if entry.state == GRAPHED:
+            if entry.graph is not None:
                 entry.graph.release()
                 entry.graph, entry.state = None, CAPTURE
 
@@ -245,11 +247,11 @@ class _Engine:
                 entry = self._new_entry(cache, key, instance, args, kwargs, tensors, keep_alive,
                                         options)
             entry.calls += 1
-            state = entry.state
-            if state == GRAPHED:
+            state, graph = entry.state, entry.graph
+            if graph is not None:
                 if cache.module_tensors_moved():
                     cache.recapture_all()
-                elif entry.graph.mutated and entry.graph.writes_into_shared_memory(tensors):
+                elif graph.mutated and graph.writes_into_shared_memory(tensors):
                     state = EAGER
                 else:
                     if entry.backend is CUDA:
@@ -257,7 +259,7 @@ class _Engine:
                     entry.replays += 1
                     if region is not None:
                         region.note(cache.name, entry, "replays")
-                    return entry.graph.replay(tensors)
+                    return graph.replay(tensors)
             fn = self.fn if instance is None else functools.partial(self.fn, instance)
             if state == WARMUP:
                 return self._warmup(entry, fn, args, kwargs, region, cache.name)
@@ -357,7 +359,7 @@ class _Engine:
             return [self.cache, *self.instance_caches.values()]
 
     def stats(self) -> List[_stats.KeyStats]:
-        rows = []
+        rows: List[_stats.KeyStats] = []
         for cache in self._caches():
             with cache.lock:
                 rows.extend(entry.stats(cache.name) for entry in cache.entries.values())

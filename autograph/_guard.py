@@ -119,13 +119,20 @@ _DATA_DEPENDENT_NAMES = {
 # frozen at capture. Making a constant (torch.tensor([...])) is not computing.
 _CPU_CONSTANT_OPS = (_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy, _aten.detach,
                      _aten.clone, _aten.empty_like, _aten.zeros_like, _aten.ones_like)
-_CPU_CONSEQUENCE = "runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes at capture"
+_CPU_CONSEQUENCE = ("runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes "
+                    "at capture")
 
 # Indexing is capturable with integer indices; a boolean mask becomes nonzero() inside.
 _INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
               "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
 _SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
 _SYNC_CONSEQUENCE = "synchronises with the host"
+
+
+def is_view(func: Any) -> bool:
+    """Whether an ATen op returns an alias of an input (``OpOverload.is_view`` is newer)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write
+               for r in func._schema.returns)
 
 
 def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
@@ -152,13 +159,14 @@ def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
             if packet is _aten._copy_from:
                 dst_type = args[1].device.type
         if src.device.type == device_type and dst_type == "cpu" != device_type:
-            return ".cpu() / .tolist() / .to('cpu')", "copies GPU data to the host, which synchronises"
+            return (".cpu() / .tolist() / .to('cpu')",
+                    "copies GPU data to the host, which synchronises")
         if (src.device.type == "cpu" and dst_type == device_type != "cpu"
                 and src.numel() > 0 and not src.is_pinned()):
             return ("a copy from pageable host memory to the GPU",
                     "cannot be captured: create the tensor on the GPU or pin it")
         return None
-    if device_type != "cpu" and not func.is_view and packet not in _CPU_CONSTANT_OPS and any(
+    if device_type != "cpu" and not is_view(func) and packet not in _CPU_CONSTANT_OPS and any(
             t.device.type == "cpu" for t in _tensors(args)):
         return "computing with a CPU tensor", _CPU_CONSEQUENCE
     name = packet.__name__
@@ -311,10 +319,8 @@ def classify_capture_error(error: BaseException) -> Optional[Finding]:
         return error.finding
     text = str(error)
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
-    for needle, consequence in _CAPTURE_ERRORS:
-        if needle in text:
-            break
-    else:
+    consequence = next((words for needle, words in _CAPTURE_ERRORS if needle in text), None)
+    if consequence is None:
         accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
         if not (isinstance(error, accelerator_error) or "CUDA error" in text):
             return None

@@ -149,7 +149,7 @@ def _install_module_call() -> None:
     with _patch_lock:
         if _patch_users == 0:
             _original_call = torch.nn.Module.__call__
-            torch.nn.Module.__call__ = _region_call
+            torch.nn.Module.__call__ = _region_call  # type: ignore[method-assign]
         _patch_users += 1
 
 
@@ -158,4 +158,4 @@ def _remove_module_call() -> None:
     with _patch_lock:
         _patch_users -= 1
         if _patch_users == 0:
-            torch.nn.Module.__call__ = _original_call
+            torch.nn.Module.__call__ = _original_call  # type: ignore[method-assign]

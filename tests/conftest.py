@@ -24,6 +24,21 @@ def emulated():
     autograph.reset()
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])])
+def device(request):
+    """Run a test twice: on CPU tensors through the emulation, and on the GPU with real graphs."""
+    if request.param == "cpu":
+        with emulate_graphs_on_cpu():
+            yield "cpu"
+    else:
+        yield "cuda"
+
+
+def device_label(device):
+    """How a key names the device: ``cpu`` or ``cuda:0``."""
+    return "cuda:0" if device == "cuda" else "cpu"
+
+
 @pytest.fixture(autouse=True)
 def _clean_state():
     yield

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import autograph
 from autograph._config import Environment, Options

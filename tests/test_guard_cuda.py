@@ -172,7 +172,8 @@ def test_catalog_entry_falls_back_once_at_the_users_line(fn, expected, caught):
 
 def test_strict_mode_raises_capture_error_with_the_message():
     graphed = autograph.graphed(strict=True)(item)
-    with pytest.raises(autograph.CaptureError, match=r"runs eagerly: \.item\(\) at test_guard_cuda"):
+    with pytest.raises(autograph.CaptureError,
+                       match=r"runs eagerly: \.item\(\) at test_guard_cuda"):
         graphed(torch.randn(8, device="cuda"))
 
 

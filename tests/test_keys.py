@@ -65,7 +65,8 @@ Pair = collections.namedtuple("Pair", "left right")
 def test_pytrees_are_flattened_with_tensors_in_order():
     t = [torch.zeros(i + 1) for i in range(6)]
     args = ((t[0], [t[1], {"k": t[2]}]), Batch(t[3], t[4]), Pair(t[5], 3))
-    k, tensors, _ = call_key(args, {"mode": Mode.FAST, "dtype": torch.float16}, execution_state(None))
+    kwargs = {"mode": Mode.FAST, "dtype": torch.float16}
+    k, tensors, _ = call_key(args, kwargs, execution_state(None))
     assert [x.numel() for x in tensors] == [1, 2, 3, 4, 5, 6]
     assert k == key(*args, mode=Mode.FAST, dtype=torch.float16)
     assert k != key(*args, mode=Mode.SLOW, dtype=torch.float16)
