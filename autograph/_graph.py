@@ -13,6 +13,7 @@ call's aliases are poisoned so a stale read raises instead of showing new data (
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -49,6 +50,12 @@ def _storage_ptr(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _poison(storages: List[Any], message: str) -> None:
+    for storage in storages:
+        torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
+    storages.clear()
+
+
 class _Outputs:
     """How to turn the graph's static outputs into this call's return value."""
 
@@ -76,8 +83,8 @@ class _Outputs:
                 storages.add(_storage_ptr(leaf))
                 self.owned.append(leaf)
         self.only_owned = all(p[0] == "own" for p in self.plan)
-        self.static = policy == "static" and _CAN_POISON and self.owned[0].is_cuda \
-            if self.owned else False
+        self.static = (policy == "static" and _CAN_POISON and bool(self.owned)
+                       and self.owned[0].is_cuda)
         if policy == "static" and self.owned and not self.static:
             logger.info("%s: outputs='static' needs a CUDA build of torch >= 2.6 to protect "
                         "stale outputs; returning copies instead", label)
@@ -87,6 +94,10 @@ class _Outputs:
             f"or use outputs='copy'."
         )
         self.handed_out: List[Any] = []
+        if self.static:
+            # Aliases do not own their memory: poison them before this plan (and the graph's
+            # buffers) goes away, even without reset().
+            weakref.finalize(self, _poison, self.handed_out, self.stale_message)
 
     def _copies(self) -> List[Tensor]:
         if not self.shared:
@@ -120,9 +131,7 @@ class _Outputs:
         return aliases
 
     def poison(self) -> None:
-        for storage in self.handed_out:
-            torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, self.stale_message)
-        self.handed_out.clear()
+        _poison(self.handed_out, self.stale_message)
 
     def produce(self, tensors: Sequence[Tensor]) -> Any:
         owned = self._aliases() if self.static else self._copies()

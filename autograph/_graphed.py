@@ -130,12 +130,12 @@ class _Cache:
                 entry.graph.release()
                 entry.graph, entry.state = None, CAPTURE
 
-    def order_after_last_stream(self) -> None:
+    def order_after_last_stream(self, device: int) -> None:
         # One graph's memory must not be used by two streams at once: a replay on a new
         # stream first waits for everything queued on the stream of the previous replay.
-        raw = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        raw = torch._C._cuda_getCurrentRawStream(device)
         if raw != self.last_raw_stream:
-            current = torch.cuda.current_stream()
+            current = torch.cuda.current_stream(device)
             if self.last_stream is not None:
                 current.wait_stream(self.last_stream)
             self.last_stream, self.last_raw_stream = current, raw
@@ -230,11 +230,10 @@ class _Engine:
         return options
 
     def __call__(self, instance: Any, args: tuple, kwargs: dict) -> Any:
-        region = _region.current()
+        region = None if _config.ENV.disable else _region.current()
         if _config.ENV.disable or _inside_a_capture() or (region and not region.enabled):
-            with _region.nested_calls():
-                return self.fn(*args, **kwargs) if instance is None \
-                    else self.fn(instance, *args, **kwargs)
+            return self.fn(*args, **kwargs) if instance is None \
+                else self.fn(instance, *args, **kwargs)
         cache = self.cache_for(instance)
         training = instance.training if cache.module_ref is not None else None
         key, tensors, keep_alive = call_key(args, kwargs, execution_state(training))
@@ -255,7 +254,7 @@ class _Engine:
                     state = EAGER
                 else:
                     if entry.backend is CUDA:
-                        cache.order_after_last_stream()
+                        cache.order_after_last_stream(entry.device)
                     entry.replays += 1
                     if region is not None:
                         region.note(cache.name, entry, "replays")
@@ -345,6 +344,8 @@ class _Engine:
             return None
         entry.graph, entry.state = graph, GRAPHED
         entry.replays += 1
+        if entry.backend is CUDA:
+            cache.order_after_last_stream(entry.device)
         if region is not None:
             region.note(cache.name, entry, "captures")
             region.note(cache.name, entry, "replays")

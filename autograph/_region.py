@@ -14,11 +14,10 @@ region, and graphs captured in one region share one memory pool.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -34,13 +33,13 @@ def current() -> Optional["Region"]:
     return stack[-1] if stack else None
 
 
-@contextlib.contextmanager
-def nested_calls() -> Iterator[None]:
+class nested_calls:
     """Module calls made inside this block belong to the enclosing graphed call."""
-    _thread.depth = getattr(_thread, "depth", 0) + 1
-    try:
-        yield
-    finally:
+
+    def __enter__(self) -> None:
+        _thread.depth = getattr(_thread, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
         _thread.depth -= 1
 
 

@@ -4,6 +4,7 @@ autocast, the CUDA random generator, streams, memory, and an HF Llama decode.
 The engine's behaviour on both devices is in test_graphed.py, run there on CUDA too.
 Skipped, with the reason, where there is no GPU."""
 import copy
+import gc
 
 import pytest
 import torch
@@ -64,6 +65,19 @@ def test_static_outputs_are_fast_and_stale_ones_raise():
         first.sum()
     with pytest.raises(RuntimeError, match="was overwritten by a later call"):
         view.sum()
+
+
+def test_static_outputs_die_with_their_function():
+    @autograph.graphed(outputs="static")
+    def f(x):
+        return x + 1
+
+    for _ in range(3):
+        kept = f(torch.zeros(4, device="cuda"))
+    del f
+    gc.collect()   # the graph and its buffers are gone: the alias must not read freed memory
+    with pytest.raises(RuntimeError, match="was overwritten by a later call"):
+        kept.sum()
 
 
 def test_autocast_on_and_off_get_their_own_graphs():
