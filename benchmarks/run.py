@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -62,10 +64,6 @@ def case_mlp(rows, with_compile):
         hand_us = timed(rows, name, "hand-written capture/replay", lambda: hand(x))
         mgc = torch.cuda.make_graphed_callables(copy.deepcopy(model), (x.clone(),))
         timed(rows, name, "make_graphed_callables", lambda: mgc(x))
-        if with_compile:
-            fn, seconds = compiled(copy.deepcopy(model), (x,))
-            timed(rows, name, 'torch.compile("reduce-overhead")', lambda: fn(x),
-                  note=f"first 3 calls {seconds:.1f} s")
         graphed_module = autograph.graphed(copy.deepcopy(model))
         us = timed(rows, name, "autograph.graphed(module)", lambda: graphed_module(x))
         with_ratio(rows, us, hand_us)
@@ -74,6 +72,10 @@ def case_mlp(rows, with_compile):
         us = timed(rows, name, "autograph.graphed(function)", lambda: step(x))
         with_ratio(rows, us, hand_us)
         assert torch.equal(graphed_module(x), model(x)) and torch.equal(step(x), model(x))
+        if with_compile:
+            fn, seconds = compiled(copy.deepcopy(model), (x,))
+            timed(rows, name, 'torch.compile("reduce-overhead")', lambda: fn(x),
+                  note=f"first 3 calls {seconds:.1f} s")
 
 
 def llama_setup():
@@ -113,15 +115,6 @@ def case_llama(rows, with_compile):
         hand_us = timed(rows, name, "hand-written capture/replay", lambda: hand(ids, pos))
     rows.append({"case": name, "variant": "make_graphed_callables", "us/call": "n/a",
                  "note": "takes tensors only; the StaticCache argument is not a tensor"})
-    if with_compile:
-        try:
-            with torch.inference_mode():
-                fn, seconds = compiled(stepper(copy.deepcopy(model)), (ids, pos))
-                timed(rows, name, 'torch.compile("reduce-overhead")', lambda: fn(ids, pos),
-                      note=f"first 3 calls {seconds:.1f} s")
-        except Exception as error:
-            rows.append({"case": name, "variant": 'torch.compile("reduce-overhead")',
-                         "us/call": "n/a", "note": f"{type(error).__name__}"})
     graphed_model = autograph.graphed(copy.deepcopy(model))
     with torch.inference_mode():
         step = stepper(graphed_model)
@@ -146,6 +139,15 @@ def case_llama(rows, with_compile):
             rows[-1]["note"] += f", {us / decorated_us:.3f}x the decorated step"
         row = [r for r in graphed_model.forward.stats() if "[1, 1]" in r.key][0]
         assert row.state == "graphed", row
+    if with_compile:
+        try:
+            with torch.inference_mode():
+                fn, seconds = compiled(stepper(copy.deepcopy(model)), (ids, pos))
+                timed(rows, name, 'torch.compile("reduce-overhead")', lambda: fn(ids, pos),
+                      note=f"first 3 calls {seconds:.1f} s")
+        except Exception as error:
+            rows.append({"case": name, "variant": 'torch.compile("reduce-overhead")',
+                         "us/call": "n/a", "note": f"{type(error).__name__}"})
 
 
 def case_small(rows, with_compile):
@@ -161,14 +163,28 @@ def case_small(rows, with_compile):
         hand_us = timed(rows, name, "hand-written capture/replay", lambda: hand(*tensors))
         mgc = torch.cuda.make_graphed_callables(cat4, tuple(t.clone() for t in tensors))
         timed(rows, name, "make_graphed_callables", lambda: mgc(*tensors))
-        if with_compile:
-            fn, seconds = compiled(cat4, tensors)
-            timed(rows, name, 'torch.compile("reduce-overhead")', lambda: fn(*tensors),
-                  note=f"first 3 calls {seconds:.1f} s")
         step = autograph.graphed(cat4)
         us = timed(rows, name, "autograph.graphed", lambda: step(*tensors))
         with_ratio(rows, us, hand_us)
         assert torch.equal(step(*tensors), cat4(*tensors))
+        if with_compile:
+            fn, seconds = compiled(cat4, tensors)
+            timed(rows, name, 'torch.compile("reduce-overhead")', lambda: fn(*tensors),
+                  note=f"first 3 calls {seconds:.1f} s")
+
+
+CASES = {"a": case_mlp, "b": case_llama, "c": case_small}
+
+
+def run_case(letter, with_compile):
+    """One case in this process: its rows as JSON on the last line of stdout."""
+    rows = []
+    try:
+        CASES[letter](rows, with_compile)
+    except Exception:
+        traceback.print_exc()
+        rows.append({"case": letter, "variant": "(case failed)", "us/call": "n/a"})
+    print(json.dumps(rows))
 
 
 def main():
@@ -176,15 +192,26 @@ def main():
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
     parser.add_argument("--cases", default="abc")
     parser.add_argument("--write", default=os.path.join(HERE, "RESULTS.md"))
+    parser.add_argument("--one-case", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_case:
+        return run_case(args.one_case, not args.no_compile)
     rows = []
-    for letter, case in (("a", case_mlp), ("b", case_llama), ("c", case_small)):
-        if letter in args.cases:
-            try:
-                case(rows, not args.no_compile)
-            except Exception:
-                traceback.print_exc()
-                rows.append({"case": letter, "variant": "(case failed)", "us/call": "n/a"})
+    for letter in args.cases:
+        # Each case in a fresh process, so that one case's compiled code and heap do not
+        # slow another's Python; within a case, torch.compile runs last for the same reason.
+        command = [sys.executable, __file__, "--one-case", letter]
+        if args.no_compile:
+            command.append("--no-compile")
+        path = os.pathsep.join(filter(None, [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]))
+        done = subprocess.run(command, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": path})
+        sys.stderr.write(done.stderr)
+        try:
+            rows.extend(json.loads(done.stdout.strip().splitlines()[-1]))
+        except (IndexError, ValueError):
+            rows.append({"case": letter, "variant": "(case failed)", "us/call": "n/a",
+                         "note": f"exit code {done.returncode}"})
     table = format_rows(rows, ["case", "variant", "us/call", "note"])
     header = (f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
               f"torch {torch.__version__}, Python {sys.version.split()[0]}")
@@ -193,7 +220,8 @@ def main():
         with open(args.write, "w") as fh:
             fh.write("# Benchmark results\n\nWritten by `benchmarks/run.py` in one run; "
                      "figures are microseconds per call (median of 7 runs of 200 calls, "
-                     "GPU synchronised around each run).\n\n" + header + "\n\n" + table + "\n")
+                     "GPU synchronised around each run). Each case runs in a fresh process, "
+                     "torch.compile last within it.\n\n" + header + "\n\n" + table + "\n")
 
 
 if __name__ == "__main__":
