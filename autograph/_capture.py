@@ -52,26 +52,28 @@ def _capture_stream(device: int) -> "torch.cuda.Stream":
 _prepared = threading.local()
 
 
-def _create_library_handles(device: int, stream: "torch.cuda.Stream") -> None:
-    """Create this thread's cuBLAS, cuBLASLt and cuDNN handles before its first capture.
+def _create_library_handles(device: int, stream: "torch.cuda.Stream", cudnn: bool) -> None:
+    """Create this thread's cuBLAS and cuBLASLt (and, if asked, cuDNN) handles.
 
     Handles are per thread; creating one inside a capture fails
-    (CUBLAS_STATUS_NOT_INITIALIZED), and the warmup may have run in another thread.
+    (CUBLAS_STATUS_NOT_INITIALIZED), and the warmup may have run in another thread. A cuDNN
+    handle costs a noticeable start (a fraction of a second), so only functions whose warmup
+    used cuDNN ops ask for it.
     """
-    done = getattr(_prepared, "devices", None)
+    done = getattr(_prepared, "done", None)
     if done is None:
-        done = _prepared.devices = set()
-    if device in done:
-        return
+        done = _prepared.done = set()
     with torch.cuda.stream(stream), torch.no_grad():
-        for dtype in (torch.float32, torch.bfloat16):
-            a = torch.ones(8, 8, device=device, dtype=dtype)
-            torch.nn.functional.linear(a, a, a[0])
-            a @ a
-        if torch.backends.cudnn.is_available():
+        if (device, "cublas") not in done:
+            for dtype in (torch.float32, torch.bfloat16):
+                a = torch.ones(8, 8, device=device, dtype=dtype)
+                torch.nn.functional.linear(a, a, a[0])
+                a @ a
+            done.add((device, "cublas"))
+        if cudnn and (device, "cudnn") not in done and torch.backends.cudnn.is_available():
             x = torch.ones(1, 1, 8, device=device)
             torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
-    done.add(device)
+            done.add((device, "cudnn"))
 
 
 @contextlib.contextmanager
@@ -121,14 +123,15 @@ class CudaGraphs:
     def reserved_bytes(self, device: int) -> int:
         return torch.cuda.memory_reserved(device)
 
-    def capture(self, run: Callable[[], Any], device: int, pool: Any) -> Capture:
+    def capture(self, run: Callable[[], Any], device: int, pool: Any,
+                uses_cudnn: bool = False) -> Capture:
         graph = torch.cuda.CUDAGraph()
         result = Capture(graph)
         with _capture_lock, torch.cuda.device(device), _no_garbage_collection():
             caller = torch.cuda.current_stream(device)
             stream = _capture_stream(device)
             stream.wait_stream(caller)
-            _create_library_handles(device, stream)
+            _create_library_handles(device, stream, uses_cudnn)
             reserved_before = self.reserved_bytes(device)
             started = time.perf_counter()
             # Autocast's weight cache would hand the graph casts made before capture, which

@@ -102,7 +102,8 @@ class CpuGraphs:
     def reserved_bytes(self, device: int) -> int:
         return 0
 
-    def capture(self, run: Callable[[], Any], device: int, pool: Any) -> Capture:
+    def capture(self, run: Callable[[], Any], device: int, pool: Any,
+                uses_cudnn: bool = False) -> Capture:
         recorder = _Recorder()
         result = Capture(None)
         started = time.perf_counter()

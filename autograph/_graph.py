@@ -177,8 +177,8 @@ class KeyGraph:
 
     @classmethod
     def capture(cls, call: Callable, args: tuple, kwargs: dict, tensors: Sequence[Tensor],
-                backend: Any, device: int, pool: Any, policy: str, label: str
-                ) -> Tuple["KeyGraph", Any]:
+                backend: Any, device: int, pool: Any, policy: str, label: str,
+                uses_cudnn: bool = False) -> Tuple["KeyGraph", Any]:
         """Capture ``call`` on static copies of the arguments, replay once, return the outputs.
 
         Raises ``CaptureFailed`` when the guard or CUDA rejects the capture (nothing of the
@@ -206,7 +206,7 @@ class KeyGraph:
             with detector:
                 return call(*static_args, **static_kwargs)
 
-        capture = backend.capture(run, device, pool)
+        capture = backend.capture(run, device, pool, uses_cudnn)
         finding = detector.finding
         for error in (capture.error, capture.hard_error):
             if finding is None and error is not None:

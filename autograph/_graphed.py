@@ -62,7 +62,7 @@ class _Entry:
 
     __slots__ = ("label", "options", "state", "calls", "eager_calls", "replays", "warmups",
                  "reason", "strict_error", "graph", "backend", "device", "keep_alive",
-                 "__weakref__")
+                 "uses_cudnn", "__weakref__")
 
     def __init__(self, label: str, options: Options, keep_alive: list):
         self.label = label
@@ -75,6 +75,7 @@ class _Entry:
         self.backend: Any = None
         self.device = -1
         self.keep_alive = keep_alive  # objects keyed by identity: their ids must stay unique
+        self.uses_cudnn = False  # seen at warmup: the capture thread needs a cuDNN handle
 
     def stats(self, function: str) -> _stats.KeyStats:
         graph = self.graph
@@ -319,6 +320,7 @@ class _Engine:
             with UnsafeOpDetector(entry.backend.device_type, raise_on_unsafe=False) as detector:
                 outputs = fn(*args, **kwargs)
         entry.warmups += 1
+        entry.uses_cudnn = detector.uses_cudnn
         if detector.finding is not None:
             self._fall_back(entry, detector.finding.message(), loud=True)
         elif torch.is_grad_enabled() and any(
@@ -338,7 +340,7 @@ class _Engine:
             with _region.nested_calls():
                 graph, outputs = KeyGraph.capture(
                     fn, args, kwargs, tensors, entry.backend, entry.device, pool,
-                    entry.options.outputs, label)
+                    entry.options.outputs, label, entry.uses_cudnn)
         except CaptureFailed as failed:
             self._fall_back(entry, failed.finding.message(), loud=True)
             return None

@@ -182,6 +182,9 @@ def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
     return None
 
 
+# Op names whose CUDA kernels may come from cuDNN.
+_CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru")
+
 _local = threading.local()
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -261,6 +264,7 @@ class UnsafeOpDetector(TorchDispatchMode):
         self.device_type = device_type
         self.raise_on_unsafe = raise_on_unsafe
         self.finding: Optional[Finding] = None
+        self.uses_cudnn = False  # whether a capture must first create a cuDNN handle
 
     def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
         if self.finding is None:
@@ -271,6 +275,8 @@ class UnsafeOpDetector(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if not self.uses_cudnn and any(part in func.__name__ for part in _CUDNN_OPS):
+            self.uses_cudnn = True
         unsafe = _unsafe_op(func, args, kwargs, self.device_type)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))

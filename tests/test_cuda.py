@@ -5,6 +5,7 @@ The engine's behaviour on both devices is in test_graphed.py, run there on CUDA 
 Skipped, with the reason, where there is no GPU."""
 import copy
 import gc
+import threading
 
 import pytest
 import torch
@@ -109,6 +110,22 @@ def test_random_ops_are_fresh_per_replay_and_follow_the_seed():
     assert len({tuple(t.tolist()) for t in first}) == 6
     second = run()
     assert all(torch.equal(a, b) for a, b in zip(first[2:], second[2:]))
+
+
+def test_a_convolution_captured_in_a_thread_that_never_ran_one():
+    # cuDNN handles are per thread, and creating one inside a capture fails: the warmup
+    # (main thread) saw a convolution, so the capturing thread creates its handle first.
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3), torch.nn.BatchNorm1d(4)).cuda().eval()
+    graphed = autograph.graphed(copy.deepcopy(model))
+    x = torch.randn(2, 4, 16, device="cuda")
+    results = []
+    with torch.no_grad():
+        graphed(x)
+        worker = threading.Thread(target=lambda: results.append(graphed(x)))
+        worker.start()
+        worker.join()
+        assert torch.equal(results[0], model(x)) and torch.equal(graphed(x), model(x))
+    assert graphed.forward.stats()[0].state == "graphed"
 
 
 def test_replay_on_another_stream_is_ordered():

@@ -160,3 +160,12 @@ def test_capture_errors_are_classified(message, expected):
 def test_users_own_errors_are_not_capture_errors():
     assert classify_capture_error(ValueError("bad shape")) is None
     assert classify_capture_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+
+
+def test_the_detector_notes_ops_that_need_a_cudnn_handle():
+    with UnsafeOpDetector("cpu", raise_on_unsafe=False) as detector:
+        torch.relu(torch.ones(2))
+    assert not detector.uses_cudnn
+    with UnsafeOpDetector("cpu", raise_on_unsafe=False) as detector:
+        torch.nn.functional.conv1d(torch.ones(1, 1, 8), torch.ones(1, 1, 3))
+    assert detector.uses_cudnn
