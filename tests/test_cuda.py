@@ -119,13 +119,19 @@ def test_a_convolution_captured_in_a_thread_that_never_ran_one():
     graphed = autograph.graphed(copy.deepcopy(model))
     x = torch.randn(2, 4, 16, device="cuda")
     results = []
+
+    def capture_here():
+        with torch.no_grad():          # grad mode is per thread
+            results.append(graphed(x))
+
     with torch.no_grad():
-        graphed(x)
-        worker = threading.Thread(target=lambda: results.append(graphed(x)))
+        graphed(x)                     # warmup in this thread
+        worker = threading.Thread(target=capture_here)
         worker.start()
         worker.join()
         assert torch.equal(results[0], model(x)) and torch.equal(graphed(x), model(x))
-    assert graphed.forward.stats()[0].state == "graphed"
+    row, = graphed.forward.stats()
+    assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 3, 1, 2)
 
 
 def test_replay_on_another_stream_is_ordered():

@@ -222,7 +222,7 @@ def test_a_failed_capture_leaves_no_trace(fn, kind, caught):
     assert later.stats()[0].state == "graphed"
 
 
-def test_users_exception_propagates_in_every_phase():
+def test_users_exception_propagates_in_every_phase(caught):
     fail = {"warmup": True}
 
     @autograph.graphed
