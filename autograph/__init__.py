@@ -11,7 +11,6 @@ Each call is keyed on its inputs and execution state; a key is warmed up eagerly
 once into a CUDA graph, then replayed. What cannot be graphed runs eagerly, with a warning that
 says why and where. See the README and SPEC.md for the contract.
 """
-from ._config import Options
 from ._errors import AutographWarning, CaptureError
 from ._graphed import BoundGraphedMethod, GraphedFunction, graphed
 from ._region import Region, RegionStats, region
@@ -25,7 +24,6 @@ __all__ = [
     "CaptureError",
     "GraphedFunction",
     "KeyStats",
-    "Options",
     "Region",
     "RegionStats",
     "graphed",

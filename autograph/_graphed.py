@@ -287,12 +287,9 @@ class _Engine:
                     p.requires_grad for p in (instance.parameters() if cache.module_ref else ()))):
             reason, loud = _AUTOGRAD_REASON, True
         if reason is None and cache.graphed_keys() > options.max_graphs:
-            reason, loud = (f"{self.name} already has max_graphs={options.max_graphs} "
-                            f"graphs; raise max_graphs, or pad inputs to fewer shapes"), False
-            if not cache.said_max_graphs:
-                cache.said_max_graphs = True
-                self._fall_back(entry, reason, loud=True)
-                return entry
+            reason = (f"{self.name} already has max_graphs={options.max_graphs} graphs; raise "
+                      f"max_graphs, or pad inputs to fewer shapes")
+            loud, cache.said_max_graphs = not cache.said_max_graphs, True  # said once
         if reason is not None:
             self._fall_back(entry, reason, loud)
         return entry
