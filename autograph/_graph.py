@@ -99,36 +99,34 @@ class _Outputs:
             # buffers) goes away, even without reset().
             weakref.finalize(self, _poison, self.handed_out, self.stale_message)
 
+    def _on_new_storages(self, make: Callable[[Any, Tensor], Any]) -> List[Tensor]:
+        """The owned outputs rebuilt on new storages, one per storage they share."""
+        made: Dict[int, Any] = {}
+        outputs = []
+        for o in self.owned:
+            storage = o.untyped_storage()
+            target = made.get(storage.data_ptr())
+            if target is None:
+                target = made[storage.data_ptr()] = make(storage, o)
+            outputs.append(torch.empty(0, dtype=o.dtype, device=o.device)
+                           .set_(target, o.storage_offset(), o.size(), o.stride()))
+        return outputs
+
     def _copies(self) -> List[Tensor]:
         if not self.shared:
             return [o.clone() for o in self.owned]
-        copies: List[Tensor] = []
-        by_storage: Dict[int, Any] = {}
-        for o in self.owned:
-            storage = o.untyped_storage()
-            copy = by_storage.get(storage.data_ptr())
-            if copy is None:
-                base = torch.empty(0, dtype=torch.uint8, device=o.device).set_(storage)
-                copy = by_storage[storage.data_ptr()] = base.clone().untyped_storage()
-            copies.append(torch.empty(0, dtype=o.dtype, device=o.device)
-                          .set_(copy, o.storage_offset(), o.size(), o.stride()))
-        return copies
+        return self._on_new_storages(lambda storage, o: torch.empty(
+            0, dtype=torch.uint8, device=o.device).set_(storage).clone().untyped_storage())
 
     def _aliases(self) -> List[Tensor]:
         self.poison()
-        aliases: List[Tensor] = []
-        by_storage: Dict[int, Any] = {}
-        for o in self.owned:
-            storage = o.untyped_storage()
-            alias = by_storage.get(storage.data_ptr())
-            if alias is None:
-                alias = torch._C._construct_storage_from_data_pointer(
-                    storage.data_ptr(), o.device, storage.nbytes())
-                by_storage[storage.data_ptr()] = alias
-                self.handed_out.append(alias)
-            aliases.append(torch.empty(0, dtype=o.dtype, device=o.device)
-                           .set_(alias, o.storage_offset(), o.size(), o.stride()))
-        return aliases
+        return self._on_new_storages(self._alias_storage)
+
+    def _alias_storage(self, storage: Any, output: Tensor) -> Any:
+        alias = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), output.device, storage.nbytes())
+        self.handed_out.append(alias)
+        return alias
 
     def poison(self) -> None:
         _poison(self.handed_out, self.stale_message)
