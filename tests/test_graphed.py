@@ -5,6 +5,8 @@ The emulation replays recorded ATen ops without re-running Python, with fixed ad
 CUDA graph; so even without a GPU these tests exercise the real keys, phases, copies and
 fallbacks.
 """
+import collections
+import dataclasses
 import gc
 import threading
 import weakref
@@ -451,3 +453,38 @@ def test_disabled_environment_is_checked_on_every_call(device, monkeypatch):
     for _ in range(4):
         f(torch.zeros(1, device=device))
     assert len(runs) == 4 and f.stats() == []
+
+
+def test_expanded_and_strided_arguments(device):
+    @autograph.graphed
+    def f(bias, x):
+        return x + bias
+
+    for _ in range(4):
+        bias = torch.randn(8, device=device).expand(4, 8)   # stride 0 in the first dimension
+        x = torch.randn(8, 4, device=device).t()             # not contiguous
+        assert torch.equal(f(bias, x), x + bias)
+    row, = f.stats()
+    assert row.state == "graphed" and "strides=(0, 1)" in row.key
+
+
+@dataclasses.dataclass
+class Prediction:
+    logits: torch.Tensor
+    label: str
+
+
+def test_dataclass_and_namedtuple_outputs(device):
+    Pair = collections.namedtuple("Pair", "first second")
+
+    @autograph.graphed
+    def f(x):
+        return Prediction(x * 2, "doubled"), Pair(x + 1, None)
+
+    for _ in range(4):
+        x = torch.randn(3, device=device)
+        prediction, pair = f(x)
+        assert isinstance(prediction, Prediction) and prediction.label == "doubled"
+        assert torch.equal(prediction.logits, x * 2)
+        assert isinstance(pair, Pair) and torch.equal(pair.first, x + 1) and pair.second is None
+    assert f.stats()[0].state == "graphed"
