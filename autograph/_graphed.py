@@ -237,15 +237,16 @@ class _Engine:
                 else self.fn(instance, *args, **kwargs)
         cache = self.cache_for(instance)
         training = instance.training if cache.module_ref is not None else None
-        key, tensors, keep_alive = call_key(args, kwargs, execution_state(training))
+        modes = execution_state(training)
+        key, tensors, keep_alive = call_key(args, kwargs, modes)
         options = self.options if region is None else self.options_in(region)
         if options is not self.options and options != self.options:
             key = (key, options)
         with cache.lock:
             entry = cache.entries.get(key)
             if entry is None:
-                entry = self._new_entry(cache, key, instance, args, kwargs, tensors, keep_alive,
-                                        options)
+                entry = self._new_entry(cache, key, modes, instance, args, kwargs, tensors,
+                                        keep_alive, options)
             entry.calls += 1
             state, graph = entry.state, entry.graph
             if graph is not None:
@@ -275,11 +276,11 @@ class _Engine:
         with _region.nested_calls():
             return fn(*args, **kwargs)
 
-    def _new_entry(self, cache: _Cache, key: tuple, instance: Any, args: tuple, kwargs: dict,
-                   tensors: List[torch.Tensor], keep_alive: list, options: Options) -> _Entry:
+    def _new_entry(self, cache: _Cache, key: tuple, modes: tuple, instance: Any, args: tuple,
+                   kwargs: dict, tensors: List[torch.Tensor], keep_alive: list,
+                   options: Options) -> _Entry:
         names = self.names[1:] if instance is not None else self.names
-        state = execution_state(instance.training if cache.module_ref is not None else None)
-        entry = _Entry(describe_call(names, args, kwargs, state), options, keep_alive)
+        entry = _Entry(describe_call(names, args, kwargs, modes), options, keep_alive)
         cache.entries[key] = entry
         entry.backend, entry.device, reason, loud = _devices(tensors)
         if reason is None and torch.is_grad_enabled() and (
