@@ -11,24 +11,30 @@ Each call is keyed on its inputs and execution state; a key is warmed up eagerly
 once into a CUDA graph, then replayed. What cannot be graphed runs eagerly, with a warning that
 says why and where. See the README and SPEC.md for the contract.
 """
+from . import testing
 from ._errors import AutographWarning, CaptureError
-from ._graphed import BoundGraphedMethod, GraphedFunction, graphed
+from ._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
 from ._region import Region, RegionStats, region
-from ._stats import KeyStats, report, reset, stats
+from ._report import report, reset, stats
+from ._stats import KeyStats
+from ._verify import VERIFY_TOLERANCES
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "AutographWarning",
-    "BoundGraphedMethod",
+    "BoundGraphedFunction",
     "CaptureError",
+    "GraphedForward",
     "GraphedFunction",
     "KeyStats",
     "Region",
     "RegionStats",
+    "VERIFY_TOLERANCES",
     "graphed",
     "region",
     "report",
     "reset",
     "stats",
+    "testing",
 ]

@@ -136,20 +136,27 @@ class CudaGraphs:
             started = time.perf_counter()
             # Autocast's weight cache would hand the graph casts made before capture, which
             # die when the autocast block ends; without the cache the casts are captured.
+            # Only under autocast: the flag is in torch.compile's global-state guard, and
+            # changing it needlessly recompiles a compiled function inside the capture.
             cache_enabled = torch.is_autocast_cache_enabled()
-            torch.set_autocast_cache_enabled(False)
+            torch.set_autocast_cache_enabled(cache_enabled
+                                             and not torch.is_autocast_enabled("cuda"))
             try:
                 with torch.cuda.stream(stream):
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                     try:
-                        result.outputs = run()
-                    except BaseException as error:  # noqa: B902 - re-raised by the caller
-                        result.error = error
-                    finally:
+                        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    except RuntimeError as error:
+                        result.hard_error = error
+                    else:
                         try:
-                            _end_quietly(graph)
-                        except RuntimeError as error:
-                            result.hard_error = error
+                            result.outputs = run()
+                        except BaseException as error:  # noqa: B902 - re-raised by the caller
+                            result.error = error
+                        finally:
+                            try:
+                                _end_quietly(graph)
+                            except RuntimeError as error:
+                                result.hard_error = error
                 if result.hard_error is not None:
                     _recover_from_hard_failure(device, pool, stream)
                     logger.debug("cleaned up after a failed capture on cuda:%d", device)

@@ -8,9 +8,10 @@ ValueError: AUTOGRAPH_LOG='verbose' is not understood: use one of info, debug, w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -32,6 +33,20 @@ def _flag(environ: Mapping[str, str], name: str) -> bool:
     )
 
 
+def _count(environ: Mapping[str, str], name: str) -> int:
+    raw = environ.get(name, "")
+    if not raw.strip():
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} is not understood: use a whole number >= 0 (or leave "
+                         f"it unset).")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Environment:
     """What the AUTOGRAPH_* variables asked for."""
@@ -39,6 +54,7 @@ class Environment:
     disable: bool = False
     strict: bool = False
     log_level: Optional[int] = None
+    verify: int = 0
 
     @classmethod
     def read(cls, environ: Mapping[str, str]) -> "Environment":
@@ -52,6 +68,7 @@ class Environment:
             disable=_flag(environ, "AUTOGRAPH_DISABLE"),
             strict=_flag(environ, "AUTOGRAPH_STRICT"),
             log_level=_LOG_LEVELS[raw_log.strip().lower()],
+            verify=_count(environ, "AUTOGRAPH_VERIFY"),
         )
 
 
@@ -74,8 +91,26 @@ class Options:
     outputs: str = "copy"
     max_graphs: int = 16
     strict: Optional[bool] = None
+    buckets: Optional[Tuple[int, ...]] = None
+    bucket_args: Optional[Tuple[Tuple[str, int, Any], ...]] = None
+    static_argnames: Tuple[str, ...] = ()
+    static_argnums: Tuple[int, ...] = ()
+    verify: Optional[int] = None
 
     def __post_init__(self) -> None:
+        # Stored hashable and normalised: options are part of a key inside regions.
+        set_ = functools.partial(object.__setattr__, self)
+        set_("buckets", _buckets(self.buckets))
+        set_("bucket_args", _bucket_args(self.bucket_args))
+        set_("static_argnames", _names(self.static_argnames, "static_argnames"))
+        set_("static_argnums", _numbers(self.static_argnums, "static_argnums"))
+        if self.verify is not None and (isinstance(self.verify, bool)
+                                        or not isinstance(self.verify, int) or self.verify < 0):
+            raise ValueError(f"verify={self.verify!r}: it must be an int >= 0, the number of "
+                             f"replays of each key checked against an eager run.")
+        if self.bucket_args is not None and self.buckets is None:
+            raise ValueError(f"bucket_args={dict((n, (d, p)) for n, d, p in self.bucket_args)!r}"
+                             f" needs buckets=[...]: the sizes to pad to.")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
             raise ValueError(
                 f"warmup={self.warmup!r}: it must be an int >= 1, because the first call of a "
@@ -101,3 +136,62 @@ class Options:
     @property
     def raises_on_fallback(self) -> bool:
         return ENV.strict if self.strict is None else self.strict
+
+    @property
+    def replays_to_verify(self) -> int:
+        return ENV.verify if self.verify is None else self.verify
+
+    @property
+    def by_address(self) -> bool:
+        return bool(self.static_argnames or self.static_argnums)
+
+
+def _buckets(value: Any) -> Optional[Tuple[int, ...]]:
+    if value is None:
+        return None
+    sizes = tuple(value) if isinstance(value, (list, tuple, range)) else None
+    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"buckets={value!r}: give the capture sizes as a list of ints >= 1, "
+                         f"e.g. buckets=[1, 2, 4, 8, 16, 32].")
+    return tuple(sorted(set(sizes)))
+
+
+def _bucket_args(value: Any) -> Optional[Tuple[Tuple[str, int, Any], ...]]:
+    if value is None or isinstance(value, tuple):
+        return value
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"bucket_args={value!r}: give a dict of argument name to dim, or to "
+                         f"(dim, pad value), e.g. bucket_args={{'ids': 0, 'mask': (0, 0)}}.")
+    specs = []
+    for name, spec in value.items():
+        dim, pad = (spec, 0) if isinstance(spec, int) else (tuple(spec) + (0,))[:2] \
+            if isinstance(spec, (tuple, list)) else (None, None)
+        if not isinstance(name, str) or isinstance(dim, bool) or not isinstance(dim, int) \
+                or not isinstance(pad, (int, float, bool)):
+            raise ValueError(f"bucket_args[{name!r}]={spec!r}: give a dim (an int) or (dim, "
+                             f"pad value), e.g. 0 or (0, -100).")
+        specs.append((name, dim, pad))
+    return tuple(specs)
+
+
+def _names(value: Any, option: str) -> Tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value or ())
+    if not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{option}={value!r}: give argument names (strings).")
+    return names
+
+
+def _numbers(value: Any, option: str) -> Tuple[int, ...]:
+    numbers = (value,) if isinstance(value, int) else tuple(value or ())
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers):
+        raise ValueError(f"{option}={value!r}: give argument positions (ints >= 0).")
+    return numbers
+
+
+def check_option_names(options: Mapping[str, object], where: str) -> None:
+    """Refuse unknown option names, listing the known ones."""
+    known = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"{where} got unknown option(s) {unknown}; "
+                        f"the options are {sorted(known)}.")

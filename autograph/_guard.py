@@ -7,25 +7,42 @@
 
 Two layers (SPEC 3):
 - a ``TorchDispatchMode`` sees every ATen op of the calling thread: host reads
-  (``.item()``, ``bool(t)``), device-to-host copies, pageable host-to-device copies and ops
-  whose output shape depends on the data (``nonzero``, boolean masks, ``unique``);
-- temporary, thread-checked patches of ``torch.cuda.synchronize`` and of the ``Stream`` and
-  ``Event`` waits, which are not ATen ops.
+  (``.item()``, ``bool(t)``), device-to-host copies, pageable host-to-device copies, ops
+  whose output shape depends on the data (``nonzero``, boolean masks, ``unique``) and CPU
+  tensors computed on; a CPU computation inside a ``torch.optim`` optimizer's ``step()`` is
+  named after the optimizer (``capturable=False`` keeps its step count on the CPU). Under
+  ``torch.inference_mode()`` composite ops reach the mode whole (``bool(t)`` arrives as
+  ``aten.is_nonzero``), so the mode runs their parts under itself and sees the same ops as
+  under ``torch.no_grad()``;
+- temporary, thread-checked patches of host calls that are not ATen ops:
+  ``torch.cuda.synchronize``, ``empty_cache``, the ``Stream`` and ``Event`` waits, and the
+  calls that reseed or restore a random generator (``torch.manual_seed``, ``torch.seed``,
+  ``torch.set_rng_state``, their ``torch.random`` and ``torch.cuda`` forms and
+  ``torch.random.fork_rng``): a replay does not run Python, so a reseed would happen at
+  capture only. The outermost call is reported, at the user's line.
 The detector observes during the last warmup call (nothing raised: the user's real call runs
 as written) and raises ``GuardError`` during capture, so a capture stops before CUDA fails.
-What slips past both (code that disables dispatch modes, C extensions) makes CUDA reject the
-capture; ``classify_capture_error`` turns those errors into findings too.
+What slips past both (code that disables dispatch modes, C extensions, a ``Generator``
+object's own ``manual_seed()`` and ``seed()``, which are C methods that cannot be patched, a
+seeding function imported by name before the detector started) makes CUDA or torch reject the
+capture; ``classify_capture_error`` turns those errors into findings too. Not everything is
+rejected: torch captures a CUDA generator's ``set_state()`` without complaint (torch 2.11), so
+a ``Generator`` object's ``set_state()`` goes unseen.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import linecache
+import operator
 import os
+import re
 import sys
 import threading
 import traceback
 from types import FrameType, TracebackType
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -35,6 +52,7 @@ _SKIPPED_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
 )
+_OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +76,26 @@ class GuardError(RuntimeError):
         self.finding = finding
 
 
+_COMPILER_DIRS = tuple(os.path.join(os.path.dirname(torch.__file__), name) + os.sep
+                      for name in ("_inductor", "_dynamo"))
+
+
 def is_user_file(filename: str) -> bool:
-    return not filename.startswith(_SKIPPED_DIRS)
+    # "<eval_with_key>.N": code that torch.fx generates for a compiled graph.
+    return not filename.startswith(_SKIPPED_DIRS) and not filename.startswith("<")
+
+
+def _in_compiled_code_runtime(frame: Optional[FrameType]) -> bool:
+    """Whether a host call comes from torch.compile itself: Inductor times a kernel's
+    configurations at its first run, synchronising; Dynamo saves and restores the random
+    generators around a compile. Like the dispatch mode (``ignore_compile_internals``), the
+    patches leave the compiler alone; a sync that reached a capture would still be caught as a
+    CUDA capture error."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_COMPILER_DIRS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _location(filename: str, lineno: int) -> Tuple[str, str]:
@@ -85,6 +121,9 @@ def location_in_traceback(tb: Optional[TracebackType]) -> Tuple[str, str]:
     return found
 
 
+_UNNAMED_READ = "reading a tensor's value in Python"
+
+
 def _host_read_name(source: str) -> str:
     """Name the Python construct behind ``aten._local_scalar_dense`` from the source line."""
     for needle, name in ((".item()", ".item()"), (".tolist()", ".tolist()"),
@@ -94,14 +133,7 @@ def _host_read_name(source: str) -> str:
             return name
     if source.startswith(("if ", "elif ", "while ", "assert ")) or " if " in source:
         return "a tensor used as a Python condition"
-    return "reading a tensor's value in Python"
-
-
-def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
-    location, source = location_of_caller(frame)
-    if operation == "host read":
-        operation = _host_read_name(source)
-    return Finding(operation, consequence, location, source)
+    return _UNNAMED_READ
 
 
 _DATA_DEPENDENT_NAMES = {
@@ -119,6 +151,7 @@ _DATA_DEPENDENT_NAMES = {
 # frozen at capture. Making a constant (torch.tensor([...])) is not computing.
 _CPU_CONSTANT_OPS = (_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy, _aten.detach,
                      _aten.clone, _aten.empty_like, _aten.zeros_like, _aten.ones_like)
+_CPU_OPERATION = "computing with a CPU tensor"
 _CPU_CONSEQUENCE = ("runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes "
                     "at capture")
 
@@ -127,6 +160,49 @@ _INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_p
               "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
 _SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
 _SYNC_CONSEQUENCE = "synchronises with the host"
+
+
+def optimizer_running(frame: Optional[FrameType]) -> Optional[torch.optim.Optimizer]:
+    """The ``torch.optim`` optimizer whose ``step()`` made the op at ``frame``, if any.
+
+    >>> optimizer_running(sys._getframe(1))   # in a dispatch mode, for an op of Adam.step()
+    Adam (...)
+
+    Walks outwards from ``frame`` through torch's own frames, stopping at the user's code.
+    """
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        if frame.f_code.co_filename.startswith(_OPTIM_DIR):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.optim.Optimizer):
+                return owner
+        frame = frame.f_back
+    return None
+
+
+def _not_capturable(name: str) -> str:
+    return f"{name}.step() with capturable=False"
+
+
+def _optimizer_words(optimizer: torch.optim.Optimizer) -> Tuple[str, str]:
+    """(operation, consequence) for a CPU computation inside ``optimizer.step()``."""
+    name = type(optimizer).__name__
+    if "capturable" in optimizer.defaults and not all(
+            group.get("capturable") for group in optimizer.param_groups):
+        return _not_capturable(name), (
+            "keeps its step count on the CPU, which a graph freezes at capture: create it "
+            f"with {name}(..., capturable=True)")
+    return f"{name}.step()", _CPU_CONSEQUENCE
+
+
+def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
+    location, source = location_of_caller(frame)
+    if operation == "host read":
+        operation = _host_read_name(source)
+    elif operation == _CPU_OPERATION:
+        optimizer = optimizer_running(frame)
+        if optimizer is not None:
+            operation, consequence = _optimizer_words(optimizer)
+    return Finding(operation, consequence, location, source)
 
 
 def is_view(func: Any) -> bool:
@@ -168,7 +244,7 @@ def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
         return None
     if device_type != "cpu" and not is_view(func) and packet not in _CPU_CONSTANT_OPS and any(
             t.device.type == "cpu" for t in _tensors(args)):
-        return "computing with a CPU tensor", _CPU_CONSEQUENCE
+        return _CPU_OPERATION, _CPU_CONSEQUENCE
     name = packet.__name__
     if name in _INDEX_OPS and on_device:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
@@ -184,6 +260,27 @@ def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
 
 # Op names whose CUDA kernels may come from cuDNN.
 _CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru")
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+
+
+def _composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
+    """The dispatch keys to run a composite op's own kernel with, or None to run it whole.
+
+    >>> _composite_keys(torch.ops.aten.is_nonzero.default, (torch.ones(()),), {})
+    DispatchKeySet(CPU)
+
+    Autograd normally decomposes composite ops before any dispatch mode sees them; under
+    ``torch.inference_mode()`` (and for inference tensors) they reach the mode whole.
+    Tensor subclasses keep the whole op: their own ``__torch_dispatch__`` may handle it.
+    """
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
+        return None
+    keys = [torch._C._dispatch_keys(t) for t in _tensors((*args, *kwargs.values()))]
+    if not keys or any(k.has(torch._C.DispatchKey.Python) for k in keys):
+        return None
+    return functools.reduce(operator.or_, keys) & _BELOW_PYTHON
+
 
 _local = threading.local()
 _patch_lock = threading.Lock()
@@ -199,9 +296,31 @@ def _always(args: tuple, device_type: str) -> bool:
     return True
 
 
+_RESEEDS = ("reseeds the random generator, which a graph does only at capture: replays would "
+            "not restart the random sequence")
+_SETS_STATE = ("sets the random generator's state, which a graph does only at capture: replays "
+               "would not restart the random sequence")
+_FORKS = ("restores the random generator's state on exit, which a graph does only at capture: "
+          "replays would not restore it")
+
+
 def _patch_targets() -> list:
     """Host calls that are not ATen ops: (owner, attribute, operation, consequence, applies)."""
-    return [
+    # torch.manual_seed (torch.random.manual_seed under another name) calls
+    # torch.cuda.manual_seed_all: the outermost call reports first, and only the first
+    # finding is kept.
+    seeding = [(owner, name, f"{prefix}.{name}()",
+                _SETS_STATE if name.startswith("set_") else _RESEEDS, _always)
+               for owner, prefix, names in (
+                   (torch, "torch", ("manual_seed", "seed", "set_rng_state")),
+                   (torch.random, "torch.random", ("manual_seed", "seed", "set_rng_state")),
+                   (torch.cuda, "torch.cuda", ("manual_seed", "manual_seed_all", "seed",
+                                               "seed_all", "set_rng_state",
+                                               "set_rng_state_all")))
+               for name in names]
+    return seeding + [
+        # Reported where the user enters it: its restore runs from contextlib, on exit.
+        (torch.random, "fork_rng", "torch.random.fork_rng()", _FORKS, _always),
         (torch.cuda, "synchronize", "torch.cuda.synchronize()", "waits for the whole GPU",
          _always),
         (torch.cuda, "empty_cache", "torch.cuda.empty_cache()",
@@ -220,7 +339,8 @@ def _guarded(original: Callable, operation: str, consequence: str,
              applies: Callable[[tuple, str], bool]) -> Callable:
     def guarded(*args: Any, **kwargs: Any) -> Any:
         detector = getattr(_local, "detector", None)
-        if detector is not None and applies(args, detector.device_type):
+        if detector is not None and applies(args, detector.device_type) \
+                and not _in_compiled_code_runtime(sys._getframe(1)):
             detector.report(operation, consequence, sys._getframe(1))
         return original(*args, **kwargs)
 
@@ -259,6 +379,13 @@ class UnsafeOpDetector(TorchDispatchMode):
     ``GuardError``; otherwise calls proceed unchanged and the first finding is kept.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch >= 2.9: without it Dynamo skips every frame run under the guard (torch <=
+        # 2.13: for good, so a compiled function stayed uncompiled even when called directly
+        # later); with it Dynamo compiles with the mode off and runs compiled code under it.
+        return True
+
     def __init__(self, device_type: str, raise_on_unsafe: bool):
         super().__init__()
         self.device_type = device_type
@@ -277,10 +404,26 @@ class UnsafeOpDetector(TorchDispatchMode):
         kwargs = kwargs or {}
         if not self.uses_cudnn and any(part in func.__name__ for part in _CUDNN_OPS):
             self.uses_cudnn = True
+        keys = _composite_keys(func, args, kwargs)
+        if keys is not None:
+            # Run the op as the dispatcher would below this mode, its parts seen by the mode:
+            # bool(t) is aten.is_nonzero, whose part aten._local_scalar_dense reads the host.
+            with self._watching_parts():
+                return func.redispatch(keys, *args, **kwargs)
         unsafe = _unsafe_op(func, args, kwargs, self.device_type)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))
         return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _watching_parts(self) -> Iterator[None]:
+        # The mode's own push and pop: __enter__ would also redo the patches and the thread's
+        # detector.
+        super().__enter__()
+        try:
+            yield
+        finally:
+            super().__exit__(None, None, None)
 
     def __enter__(self) -> "UnsafeOpDetector":
         self._outer = getattr(_local, "detector", None)
@@ -304,19 +447,43 @@ class UnsafeOpDetector(TorchDispatchMode):
 
 
 # Errors that CUDA or PyTorch raise when work cannot be captured, with plain words for each.
+_NOT_PERMITTED = "operation not permitted when stream is capturing"
 _CAPTURE_ERRORS = (
-    ("operation not permitted when stream is capturing",
-     "made a CUDA call that stream capture does not allow"),
+    (_NOT_PERMITTED, "made a CUDA call that stream capture does not allow"),
     ("operation failed due to a previous error during capture",
      "made a CUDA call that invalidated the capture"),
     ("called a synchronizing CUDA operation", _SYNC_CONSEQUENCE),
     ("Cannot copy between CPU and CUDA tensors during CUDA graph capture",
      "copies between pageable host memory and the GPU, which cannot be captured"),
+    ("Offset increment outside graph capture", "left the CUDA random generator unusable"),
     ("during CUDA graph capture", "is not allowed during CUDA graph capture"),
     ("graph capture", "failed during CUDA graph capture"),
     ("CUDA generator", "uses a CUDA random generator that the capture does not know"),
-    ("Offset increment outside graph capture", "left the CUDA random generator unusable"),
 )
+_OPTIMIZER_REFUSED = re.compile(
+    r"graph capture of step\(\) for an instance of (\w+) but param_groups' capturable is False")
+_SEEDING_CALL = re.compile(r"[\w.]*(?:seed|set_rng_state|set_state|fork_rng)\w*\(")
+
+
+def _named_cause(text: str, source: str) -> Optional[Tuple[str, str]]:
+    """(operation, consequence) when the error's text or the user's line names the cause.
+
+    >>> _named_cause("... set_current_seed can be called during stream capture only if ...",
+    ...              "g.manual_seed(1)")
+    ('g.manual_seed()', 'reseeds the random generator, ...')
+    """
+    refused = _OPTIMIZER_REFUSED.search(text)
+    if refused:
+        name = refused.group(1)
+        return _not_capturable(name), (
+            f"cannot be captured: create it with {name}(..., capturable=True)")
+    if "set_current_seed" in text or "CUDAGeneratorImpl::seed" in text:
+        call = _SEEDING_CALL.search(source)
+        return (call.group(0) + ")" if call else "reseeding a random generator"), _RESEEDS
+    if _NOT_PERMITTED in text and _host_read_name(source) != _UNNAMED_READ:
+        return _host_read_name(source), (
+            f"{_SYNC_CONSEQUENCE}: CUDA stopped the capture ({_NOT_PERMITTED})")
+    return None
 
 
 def classify_capture_error(error: BaseException) -> Optional[Finding]:
@@ -324,6 +491,10 @@ def classify_capture_error(error: BaseException) -> Optional[Finding]:
     if isinstance(error, GuardError):
         return error.finding
     text = str(error)
+    location, source = location_in_traceback(error.__traceback__)
+    named = _named_cause(text, source)
+    if named is not None:
+        return Finding(*named, location, source)
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     consequence = next((words for needle, words in _CAPTURE_ERRORS if needle in text), None)
     if consequence is None:
@@ -331,5 +502,4 @@ def classify_capture_error(error: BaseException) -> Optional[Finding]:
         if not (isinstance(error, accelerator_error) or "CUDA error" in text):
             return None
         consequence = "failed during CUDA graph capture"
-    location, source = location_in_traceback(error.__traceback__)
     return Finding(f"a CUDA call ({first_line})", consequence, location, source)

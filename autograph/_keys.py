@@ -1,18 +1,22 @@
 """The key of a call: what must match for a captured graph to be replayed (SPEC 2.1).
 
->>> key, tensors, keep_alive = call_key((x, w), {}, ())
->>> describe_call(("x", "w"), (x, w), {}, ())
+>>> key, tensors, identities = call_key((x, w), {}, execution_state(None))
+>>> describe_call(("x", "w"), (x, w), {}, execution_state(None))
 'x: f32[8, 512] cuda:0, w: f32[512, 512] cuda:0'
 
 Plain tensor arguments take a fast path that never walks a pytree; anything else is
 flattened: tuples, lists, dicts, namedtuples, dataclasses and every type registered with
-torch's pytree (HF ``ModelOutput`` among them). Non-tensor leaves enter the key by value.
+torch's pytree (HF ``ModelOutput`` among them). Non-tensor leaves enter the key by value and
+type, so that values which compare equal but compute differently (``0.0`` and ``-0.0``,
+``1`` and ``True``) get different keys. Objects without a value hash (a KV-cache object) are
+keyed by identity: the key holds their ``id``, and the caller holds them weakly.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, List, Sequence, Tuple
+import enum
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as _pytree
@@ -45,26 +49,52 @@ def execution_state(training: Any) -> tuple:
 
 
 def tensor_meta(t: Tensor) -> tuple:
+    if t.layout is not torch.strided:  # sparse tensors have no strides; they run eagerly
+        return (t.shape, t.layout, t.dtype, t.device, t.requires_grad)
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-def call_key(args: tuple, kwargs: dict, state: tuple) -> Tuple[tuple, List[Tensor], list]:
-    """The key of one call, its tensors in order, and the objects the key refers to by id.
+def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
+             static_names: Sequence[str] = (), static_nums: Sequence[int] = ()
+             ) -> Tuple[tuple, List[Tensor], list, List[int]]:
+    """The key of one call, its tensors in order, the objects it keys by identity, and the
+    indices of the tensors used by address (``static_argnames`` / ``static_argnums``).
 
-    Objects hashed by identity are returned so that the cache can keep them alive: a graph
-    keyed on ``id(obj)`` must never meet a new object that reuses a dead one's address.
+    ``names`` are the function's parameter names: they name an argument in errors and find
+    ``static_names``. A tensor used by address enters the key with its address.
     """
-    if not kwargs:
+    if not kwargs and not static_names and not static_nums:
         for a in args:
             if type(a) is not Tensor:
                 break
         else:
-            return (len(args), *map(tensor_meta, args), state), list(args), []
+            return (len(args), *map(tensor_meta, args), state), list(args), [], []
     tensors: List[Tensor] = []
-    keep_alive: list = []
-    spec = (_flatten(args, tensors, keep_alive, "args"),
-            _flatten(kwargs, tensors, keep_alive, "kwargs"))
-    return (spec, state), tensors, keep_alive
+    identities: list = []
+    addressed: List[int] = []
+    parts = []
+    for i, a in enumerate(args):
+        name = names[i] if i < len(names) else f"args[{i}]"
+        by_address = i in static_nums or name in static_names
+        parts.append(_flatten(a, tensors, identities, name, addressed if by_address else None))
+    keywords = tuple((k, _flatten(v, tensors, identities, k,
+                                  addressed if k in static_names else None))
+                     for k, v in kwargs.items())
+    return ((tuple(parts), keywords), state), tensors, identities, addressed
+
+
+def unsupported_tensor(tensors: Sequence[Tensor]) -> Optional[str]:
+    """Why a graph cannot stand in for these arguments with plain static copies, or None."""
+    for t in tensors:
+        kind = type(t)
+        if kind is not Tensor and kind is not torch.nn.Parameter:
+            return (f"an argument is a {kind.__name__}, a tensor subclass: its own "
+                    f"__torch_function__/__torch_dispatch__ would not run at replay")
+        if t.layout is not torch.strided:
+            return f"an argument is a {t.layout} tensor; graphs take strided (dense) tensors"
+        if t.is_nested:
+            return "an argument is a nested tensor; graphs take strided (dense) tensors"
+    return None
 
 
 def _freeze(context: Any) -> Any:
@@ -100,15 +130,33 @@ def _children(obj: Any) -> Tuple[Any, list, Any] | None:
     return None
 
 
-def _flatten(obj: Any, tensors: List[Tensor], keep_alive: list, path: str) -> Any:
+def _child_path(path: str, kind: Any, context: Any, index: int) -> str:
+    if kind is dict and isinstance(context[index], str):
+        return context[index] if not path else f"{path}[{context[index]!r}]"
+    return f"{path}[{index}]"
+
+
+def _leaf_key(obj: Any) -> Any:
+    if type(obj) is float:
+        # hex() tells 0.0 from -0.0 and gives NaN one spelling (NaN != NaN as a dict key).
+        return ("float", obj.hex())
+    return ("const", type(obj), obj)
+
+
+def _flatten(obj: Any, tensors: List[Tensor], identities: list, path: str,
+             addressed: Optional[List[int]] = None) -> Any:
     if isinstance(obj, Tensor):
         tensors.append(obj)
+        if addressed is not None:
+            addressed.append(len(tensors) - 1)
+            return ("address", obj.data_ptr(), tensor_meta(obj))
         return tensor_meta(obj)
     node = _children(obj)
     if node is not None:
         kind, children, context = node
         return (kind, _freeze(context),
-                tuple(_flatten(c, tensors, keep_alive, f"{path}[{i}]")
+                tuple(_flatten(c, tensors, identities, _child_path(path, kind, context, i),
+                               addressed)
                       for i, c in enumerate(children)))
     try:
         hash(obj)
@@ -119,61 +167,105 @@ def _flatten(obj: Any, tensors: List[Tensor], keep_alive: list, path: str) -> An
             f"tuple, a tensor or a hashable object, or bind it outside the graphed function."
         ) from None
     if type(obj).__hash__ is object.__hash__:
-        keep_alive.append(obj)
-    return ("const", type(obj), obj)
+        identities.append(obj)
+        return ("id", type(obj), id(obj))
+    return _leaf_key(obj)
 
 
 # ---- outputs: flatten once at capture, rebuild on every call ----
 
-def flatten_output(obj: Any) -> Tuple[list, Callable[[Sequence[Any]], Any]]:
-    """The leaves of a returned pytree and a function that rebuilds it from new leaves."""
+# Values that are safe to hand out again on every call: nothing can change them.
+_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device,
+              torch.layout, torch.memory_format, torch.Size, enum.Enum, frozenset, range,
+              type)
+
+
+def flatten_output(obj: Any, given: Sequence[Any] = ()
+                   ) -> Tuple[list, Callable[[Sequence[Any]], Any]]:
+    """The leaves of a returned pytree and a function that rebuilds it from new leaves.
+
+    Containers are new on every rebuild, as eager execution would return them: tuples,
+    lists, dicts, pytree nodes, dataclasses, and plain objects (a class instance, a
+    ``SimpleNamespace``), whose attributes are walked like a dataclass's fields. Objects
+    the call was ``given`` (a cache passed in and returned) come back as themselves.
+    """
     leaves: list = []
-    rebuild = _output_builder(obj, leaves)
+    rebuild = _output_builder(obj, leaves, objects={id(o) for o in given})
     return leaves, rebuild
 
 
-def _output_builder(obj: Any, leaves: list) -> Callable[[Sequence[Any]], Any]:
-    if isinstance(obj, Tensor):
+def flatten_arguments(obj: Any) -> Tuple[list, Callable[[Sequence[Any]], Any]]:
+    """Like ``flatten_output``, with the leaves the key has: objects other than containers
+    (a cache keyed by identity) are leaves, passed on as themselves."""
+    leaves: list = []
+    rebuild = _output_builder(obj, leaves, objects=None)
+    return leaves, rebuild
+
+
+def _object_children(obj: Any) -> Optional[Tuple[list, tuple]]:
+    attributes = getattr(obj, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return None
+    names = tuple(attributes)
+    return [attributes[n] for n in names], names
+
+
+def _output_builder(obj: Any, leaves: list, objects: Optional[set]
+                    ) -> Callable[[Sequence[Any]], Any]:
+    """``objects``: None to keep every plain object as a leaf, else the ids of those to keep."""
+    node = _children(obj)
+    # Modules, functions and classes are returned as themselves: eager returns the object
+    # the function holds, not a new one.
+    if node is None and (objects is None or id(obj) in objects or callable(obj)
+                         or isinstance(obj, (Tensor, torch.nn.Module, _IMMUTABLE))):
         index = len(leaves)
         leaves.append(obj)
         return lambda values: values[index]
-    node = _children(obj)
     if node is None:
-        leaves.append(obj)
-        index = len(leaves) - 1
-        return lambda values: values[index]
+        plain = _object_children(obj)
+        if plain is None:
+            template = obj
+            return lambda values: copy.copy(template)  # a new object per call, as eagerly
+        children, names = plain
+        node = (type(obj), children, names)
+        rebuild_fields = True
+    else:
+        rebuild_fields = False
     kind, children, context = node
-    builders = [_output_builder(c, leaves) for c in children]
+    builders = [_output_builder(c, leaves, objects) for c in children]
 
     def rebuilt_children(values: Sequence[Any]) -> list:
         return [b(values) for b in builders]
 
-    if kind is tuple or kind is list:
-        return lambda values: kind(rebuilt_children(values))
-    if kind is dict:
-        return lambda values: dict(zip(context, rebuilt_children(values)))
-    node_def = _pytree.SUPPORTED_NODES.get(kind)
-    if node_def is not None:
-        return lambda values: node_def.unflatten_fn(rebuilt_children(values), context)
-    if isinstance(obj, tuple):
-        return lambda values: kind(*rebuilt_children(values))
+    if not rebuild_fields:
+        if kind is tuple or kind is list:
+            return lambda values: kind(rebuilt_children(values))
+        if kind is dict:
+            return lambda values: dict(zip(context, rebuilt_children(values)))
+        node_def = _pytree.SUPPORTED_NODES.get(kind)
+        if node_def is not None:
+            return lambda values: node_def.unflatten_fn(rebuilt_children(values), context)
+        if isinstance(obj, tuple):
+            return lambda values: kind(*rebuilt_children(values))
     template = copy.copy(obj)
 
-    def rebuild_dataclass(values: Sequence[Any]) -> Any:
+    def rebuild_fields_of(values: Sequence[Any]) -> Any:
         new = copy.copy(template)
         for name, value in zip(context, rebuilt_children(values)):
             object.__setattr__(new, name, value)
         return new
 
-    return rebuild_dataclass
+    return rebuild_fields_of
 
 
 # ---- readable keys for messages and stats ----
 
-def describe_tensor(t: Tensor) -> str:
+def describe_tensor(t: Tensor, shape: Optional[torch.Size] = None) -> str:
     dtype = _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
-    text = f"{dtype}[{', '.join(map(str, t.shape))}] {t.device}"
-    if not t.is_contiguous():
+    text = f"{dtype}[{', '.join(map(str, t.shape if shape is None else shape))}] {t.device}"
+    if t.layout is not torch.strided:
+        text += f" {str(t.layout).replace('torch.', '')}"
+    elif shape is None and not t.is_contiguous():
         text += f" strides={tuple(t.stride())}"
     if t.requires_grad:
         text += " requires_grad"
@@ -185,9 +277,9 @@ def _short_repr(obj: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _describe(path: str, obj: Any, parts: List[str]) -> None:
+def _describe(path: str, obj: Any, parts: List[str], resized: Dict[int, torch.Size]) -> None:
     if isinstance(obj, Tensor):
-        parts.append(f"{path}: {describe_tensor(obj)}")
+        parts.append(f"{path}: {describe_tensor(obj, resized.get(id(obj)))}")
         return
     node = _children(obj)
     if node is None:
@@ -204,17 +296,29 @@ def _describe(path: str, obj: Any, parts: List[str]) -> None:
     else:
         labels = [f"[{i}]" for i in range(len(children))]
     for label, child in zip(labels, children):
-        _describe(path + label, child, parts)
+        _describe(path + label, child, parts, resized)
+
+
+def describe_parts(names: Sequence[str], args: tuple, kwargs: dict,
+                   resized: Optional[Dict[int, torch.Size]] = None) -> List[str]:
+    """One ``name: f32[8, 512] cuda:0`` or ``name=3`` part per leaf of the call; ``resized``
+    gives some tensors (by ``id``) the shape they are padded to."""
+    parts: List[str] = []
+    resized = resized or {}
+    for i, a in enumerate(args):
+        _describe(names[i] if i < len(names) else f"args[{i}]", a, parts, resized)
+    for k, v in kwargs.items():
+        _describe(k, v, parts, resized)
+    return parts
 
 
 def describe_call(names: Sequence[str], args: tuple, kwargs: dict, state: tuple,
                   max_parts: int = 8) -> str:
     """A readable key: ``x: f32[8, 512] cuda:0, n=3 (no_grad)``."""
-    parts: List[str] = []
-    for i, a in enumerate(args):
-        _describe(names[i] if i < len(names) else f"args[{i}]", a, parts)
-    for k, v in kwargs.items():
-        _describe(k, v, parts)
+    return join_parts(describe_parts(names, args, kwargs), state, max_parts)
+
+
+def join_parts(parts: List[str], state: tuple, max_parts: int = 8) -> str:
     if len(parts) > max_parts:
         parts = parts[:max_parts] + [f"... {len(parts) - max_parts} more"]
     text = ", ".join(parts)

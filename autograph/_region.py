@@ -5,42 +5,28 @@
 >>> with autograph.region(enabled=False):
 ...     logits = model(ids)          # everything inside runs eagerly, decorated functions too
 
-A region is a per-thread scope. While one is open anywhere, ``nn.Module.__call__`` is replaced
-by a thin function that, in a thread with an open region, sends a module call made outside any
-other module's forward (or graphed function) through that module's own graphed engine; every
-other call goes to the original. The original is put back when the last region closes, so
-torch's global state is as before. Graphs stay with their module (held weakly) for the next
-region, and graphs captured in one region share one memory pool.
+A region is a per-thread scope of options and a pool owner. While one is open anywhere,
+``nn.Module.__call__`` is replaced by a thin dispatcher that, in a thread with an open region,
+sends a module call made outside any other graphed call through that module's own engine;
+every other call goes to the original. The original is put back when the last region closes,
+so torch's global state is as before. Graphs stay with their module (held weakly) for the
+next region; graphs captured in one region share one memory pool.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
-from . import _stats
-from ._config import Options
-
-_thread = threading.local()
-
-
-def current() -> Optional["Region"]:
-    """The innermost region open in this thread, or None."""
-    stack = getattr(_thread, "stack", None)
-    return stack[-1] if stack else None
-
-
-class nested_calls:
-    """Module calls made inside this block belong to the enclosing graphed call."""
-
-    def __enter__(self) -> None:
-        _thread.depth = getattr(_thread, "depth", 0) + 1
-
-    def __exit__(self, *exc: Any) -> None:
-        _thread.depth -= 1
+from ._config import Options, check_option_names
+from ._engine import Engine
+from ._graphed import GraphedForward, forward_signature, module_label
+from ._pool import Pools
+from ._scope import current_region, enter_region, inside_a_graphed_call, leave_region
+from ._stats import KeyStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,28 +36,21 @@ class RegionStats:
     captures: int
     replays: int
     eager_calls: int
-    keys: List[_stats.KeyStats]
+    keys: List[KeyStats]
 
 
 class Region:
     """A scope that graphs module calls and sets options; see ``autograph.region``."""
 
     def __init__(self, enabled: bool, explicit: Dict[str, Any]):
-        Options(**explicit)  # validate now, not at the first call
         self.enabled = enabled
         self.explicit = explicit
-        self.options_key = tuple(sorted(explicit.items()))
-        self.pools: Dict[int, Any] = {}
+        self.options_key = Options(**explicit)  # validated now, not at the first call
+        self.pools = Pools()
         self.captures = self.replays = self.eager_calls = 0
         self._touched: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._names: Dict[int, str] = {}
         self._lock = threading.Lock()
-
-    def pool(self, backend: Any, device: int) -> Any:
-        with self._lock:
-            if device not in self.pools:
-                self.pools[device] = backend.new_pool(device)
-            return self.pools[device]
 
     def note(self, function: str, entry: Any, event: str) -> None:
         with self._lock:
@@ -87,15 +66,12 @@ class Region:
             return RegionStats(self.captures, self.replays, self.eager_calls, keys)
 
     def __enter__(self) -> "Region":
-        stack = getattr(_thread, "stack", None)
-        if stack is None:
-            stack = _thread.stack = []
         _install_module_call()
-        stack.append(self)
+        enter_region(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _thread.stack.remove(self)
+        leave_region(self)
         _remove_module_call()
 
 
@@ -114,33 +90,37 @@ def region(*, enabled: bool = True, **options: Any) -> Region:
     eagerly, decorated functions included (``AUTOGRAPH_DISABLE=1`` beats every region).
     Regions are per thread: enter and leave one in the same thread.
     """
-    from ._graphed import check_option_names
-
     check_option_names(options, "autograph.region")
     if not isinstance(enabled, bool):
         raise ValueError(f"enabled={enabled!r}: it must be True or False.")
     return Region(enabled, options)
 
 
-# ---- the module-call patch ----
+# ---- the module-call dispatcher ----
 
 _patch_lock = threading.Lock()
 _patch_users = 0
 _original_call = torch.nn.Module.__call__
-_module_engines: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+_module_engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = \
+    weakref.WeakKeyDictionary()
+
+
+def engine_of(module: torch.nn.Module) -> Any:
+    """The engine a region made for this module, or None."""
+    return _module_engines.get(module)
 
 
 def _region_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    if getattr(_thread, "depth", 0) or not getattr(_thread, "stack", None):
+    if inside_a_graphed_call() or current_region() is None or isinstance(
+            module.__dict__.get("forward"), GraphedForward):  # graphed(module) graphs itself
         return _original_call(module, *args, **kwargs)
-    from ._graphed import BoundGraphedMethod, engine_for_module_calls
-
-    if isinstance(module.__dict__.get("forward"), BoundGraphedMethod):
-        return _original_call(module, *args, **kwargs)  # graphed(module): it graphs itself
     engine = _module_engines.get(module)
     if engine is None:
-        engine = _module_engines[module] = engine_for_module_calls(module, _original_call)
-    return engine(module, args, kwargs)
+        # Whole calls, hooks included, with the region's options.
+        engine = _module_engines[module] = Engine(
+            type(module).forward, {}, module_label(module),
+            signature_of=forward_signature(module), instance_label=type(module).__name__)
+    return engine(_original_call.__get__(module), module, args, kwargs)
 
 
 def _install_module_call() -> None:

@@ -1,17 +1,19 @@
-"""What happened to each key of each graphed function (SPEC 5).
+"""What happened to each key of each graphed function (SPEC 5): the rows, the registry of
+live engines, and the table.
 
 >>> step.stats()[0]
 KeyStats(function='step', key='x: f32[8, 512] cuda:0', state='graphed', calls=100,
          eager_calls=1, replays=99, capture_seconds=0.004, graph_bytes=2097152,
          fallback_reason=None)
->>> autograph.report()
+>>> print(format_table(step.stats(), width=100))     # wrapped to a 100-column terminal
+>>> [dataclasses.asdict(row) for row in step.stats()]   # plain dicts, for scripts and JSON
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
+import textwrap
 import weakref
-from typing import Any, List, Optional, TextIO
+from typing import Any, Dict, List, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,8 +22,13 @@ class KeyStats:
 
     ``calls`` counts every call of the key; ``eager_calls`` those that ran eagerly (warmup and
     fallback); ``replays`` those served by the graph (the capture call included).
-    ``graph_bytes`` is the growth of the device's reserved memory during capture: graphs of
-    one function share a pool, so a later graph often adds little.
+    ``graph_bytes`` is what the capture added to the device's reserved memory: the new
+    memory its pool took. Graphs of one function (or one region) share a pool, captured
+    largest first a later graph reuses the earlier ones' blocks and adds little, so the sum
+    over a function's keys is the memory its graphs hold. ``bucket`` and ``sizes`` (calls
+    by their real size) are set for bucketed keys; ``padding_waste`` follows from them.
+    ``verified`` counts the replays that verify mode checked against an eager run and found
+    equal. Every field is a plain value: ``dataclasses.asdict(row)`` is JSON-ready.
     """
 
     function: str
@@ -33,6 +40,17 @@ class KeyStats:
     capture_seconds: Optional[float]
     graph_bytes: int
     fallback_reason: Optional[str]
+    bucket: Optional[int] = None  # bucketed keys: the capture size
+    sizes: Optional[Dict[int, int]] = None  # bucketed keys: calls by their real size
+    verified: int = 0  # replays checked against an eager run (verify=n) and found equal
+
+    @property
+    def padding_waste(self) -> Optional[float]:
+        """Padding rows over real rows, for a bucket: 0.25 means a quarter more rows ran."""
+        if not self.sizes or not self.bucket:
+            return None
+        real = sum(size * n for size, n in self.sizes.items())
+        return self.bucket * sum(self.sizes.values()) / real - 1
 
 
 # Every live graphed function, held weakly so that the registry keeps nothing alive.
@@ -43,46 +61,76 @@ def register(engine: Any) -> None:
     _engines.add(engine)
 
 
-def stats() -> List[KeyStats]:
-    """Snapshots of every key of every live graphed function.
-
-    Each function's counters are read under that function's lock, so one function's rows are
-    consistent with each other; rows of different functions are read one after another.
-    """
-    rows: List[KeyStats] = []
-    for engine in list(_engines):
-        rows.extend(engine.stats())
-    return rows
-
-
-def reset() -> None:
-    """Drop every graph of every graphed function and give their memory back."""
-    for engine in list(_engines):
-        engine.reset()
+def engines() -> List[Any]:
+    """Every live engine."""
+    return list(_engines)
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def format_table(rows: List[KeyStats]) -> str:
-    header = ("function", "key", "state", "calls", "replays", "eager", "capture ms", "MiB",
-              "fallback reason")
+# A key is not wrapped narrower than this: a table wider than the terminal then wraps
+# around, which still beats one word per line.
+_NARROWEST_KEY = 16
+_INDENT = "    "
+
+
+def _lines(cells: List[str], widths: List[int], wrapped: Optional[int]) -> List[str]:
+    """One table row; the cell of column ``wrapped`` wraps within its width."""
+    columns = [textwrap.wrap(cell, widths[i], break_on_hyphens=False) or [""]
+               if i == wrapped and len(cell) > widths[i] else [cell]
+               for i, cell in enumerate(cells)]
+    return ["  ".join((c[n] if n < len(c) else "").ljust(w)
+                      for c, w in zip(columns, widths)).rstrip()
+            for n in range(max(len(c) for c in columns))]
+
+
+def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
+    """The rows as a text table, one key per row.
+
+    >>> print(format_table(step.stats(), width=80))     # for a terminal 80 columns wide
+    function   key                    state  calls  replays  eager
+    ---------  ---------------------  -----  -----  -------  -----
+    normalise  x: f32[8, 512] cuda:0  eager  3      0        3
+        fallback reason: .item() at why_eager.py:14 synchronises with the host
+
+    Without ``width`` (a file, a pipe) every column is there and each key is one line. With
+    it, columns empty in every row are left out and, if the table is still wider, each
+    fallback reason goes on wrapped lines under its row and long keys wrap in their column.
+    The ``verified`` column appears once verify mode checked a replay.
+    """
+    header = ["function", "key", "state", "calls", "replays", "verified", "eager",
+              "capture ms", "MiB", "padding", "fallback reason"]
     body = [
-        (r.function, r.key, r.state, str(r.calls), str(r.replays), str(r.eager_calls),
+        [r.function, r.key, r.state, str(r.calls), str(r.replays),
+         str(r.verified) if r.verified else "", str(r.eager_calls),
          "" if r.capture_seconds is None else f"{r.capture_seconds * 1e3:.1f}",
-         _mib(r.graph_bytes) if r.graph_bytes else "", r.fallback_reason or "")
+         _mib(r.graph_bytes) if r.graph_bytes else "",
+         "" if r.padding_waste is None else f"{r.padding_waste:.0%}",
+         r.fallback_reason or ""]
         for r in rows
     ]
+    optional = {"verified"} if width is None else {"verified", "capture ms", "MiB",
+                                                     "padding", "fallback reason"}
+    keep = [i for i, name in enumerate(header)
+            if name not in optional or any(line[i] for line in body)]
+    header, body = [header[i] for i in keep], [[line[i] for i in keep] for line in body]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
-             for line in [header, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    reasons: List[str] = []
+    if width is not None and sum(widths) + 2 * len(widths) - 2 > width:
+        if header[-1] == "fallback reason":
+            header, widths = header[:-1], widths[:-1]
+            reasons = [line.pop() for line in body]
+        over = sum(widths) + 2 * len(widths) - 2 - width
+        if over > 0:
+            widths[1] = max(min(widths[1], _NARROWEST_KEY), widths[1] - over)
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(header, widths)).rstrip(),
+             "  ".join("-" * w for w in widths)]
+    for n, line in enumerate(body):
+        lines += _lines(line, widths, wrapped=1)
+        if reasons and reasons[n]:
+            lines += textwrap.wrap(f"fallback reason: {reasons[n]}", width,
+                                   initial_indent=_INDENT, subsequent_indent=_INDENT,
+                                   break_on_hyphens=False)
     return "\n".join(lines)
-
-
-def report(file: Optional[TextIO] = None) -> None:
-    """Print ``stats()`` as a table (to stdout unless ``file`` is given)."""
-    rows = stats()
-    text = format_table(rows) if rows else "autograph: no graphed function has been called."
-    print(text, file=file or sys.stdout)

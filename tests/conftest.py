@@ -1,12 +1,13 @@
 """Shared fixtures: the CPU emulation of CUDA graphs, and the CUDA marker."""
 import gc
+import re
 import warnings
 
 import pytest
 import torch
 
 import autograph
-from autograph._cpu_graphs import emulate_graphs_on_cpu
+from autograph.testing import emulate_graphs_on_cpu
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                    reason="needs a CUDA GPU (run on the device machine)")
@@ -37,6 +38,21 @@ def device(request):
 def device_label(device):
     """How a key names the device: ``cpu`` or ``cuda:0``."""
     return "cuda:0" if device == "cuda" else "cpu"
+
+
+def states(target):
+    """``(state, calls, eager_calls, replays)`` of each key of ``target`` (a graphed function
+    or module, a module called in a region, a region), in the order the keys were made.
+
+    A test of graph behaviour asserts these: values alone would also be right if every call
+    ran eagerly."""
+    return [(s.state, s.calls, s.eager_calls, s.replays) for s in autograph.stats(target)]
+
+
+def is_label_of(label, cls):
+    """Module labels are ``Name`` for the first module of a class graphed in the process, then
+    ``Name#2``, ``Name#3``... (a process-wide counter: never assert the number)."""
+    return re.fullmatch(rf"{cls.__name__}(#[2-9]|#[1-9][0-9]+)?", label) is not None
 
 
 @pytest.fixture(autouse=True)

@@ -4,9 +4,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import autograph
-from autograph._config import Environment, Options
+from autograph._config import Environment
+from conftest import states
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,12 +28,17 @@ def test_unknown_option_names_the_known_ones():
         autograph.graphed(warmups=2)
 
 
-def test_decorator_works_bare_and_with_options():
+def test_decorator_works_bare_and_with_options(device):
     def f(x):
-        return x
+        return x * 2
 
-    assert autograph.graphed(f)(3) == 3
-    assert autograph.graphed(warmup=2)(f)(4) == 4
+    bare, with_options = autograph.graphed(f), autograph.graphed(warmup=2)(f)
+    assert bare.__name__ == with_options.__name__ == "f" and bare.__wrapped__ is f
+    for i in range(4):
+        x = torch.full((3,), float(i), device=device)
+        assert torch.equal(bare(x), x * 2) and torch.equal(with_options(x), x * 2)
+    assert states(bare) == [("graphed", 4, 1, 3)]
+    assert states(with_options) == [("graphed", 4, 2, 2)]
 
 
 def test_non_callable_is_refused():
@@ -56,12 +63,6 @@ def test_unknown_environment_values_are_errors(env):
         Environment.read(env)
 
 
-def test_strict_option_follows_the_environment_unless_set(monkeypatch):
-    from autograph import _config
-    monkeypatch.setattr(_config, "ENV", Environment(strict=True))
-    assert Options().raises_on_fallback and not Options(strict=False).raises_on_fallback
-
-
 def _run(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=120)
@@ -83,17 +84,19 @@ def f(x):
 with emulate_graphs_on_cpu():
     for _ in range(5):
         assert torch.equal(f(torch.zeros(3)), torch.ones(3))
-print(len(runs), autograph.stats())
+print(len(runs), [(s.state, s.calls, s.eager_calls, s.replays) for s in autograph.stats()])
 """
 
 
-def test_disable_makes_every_call_eager_with_no_capture():
-    # Python runs once per call only when nothing is captured or replayed.
+def test_disable_variable_makes_every_call_eager_with_no_capture():
+    # Read from the real environment at import. Python runs once per call only when nothing
+    # is captured or replayed. (The engine's side, for functions, graphed modules and regions:
+    # test_region.py::test_disabled_runs_every_call_eagerly_and_records_nothing.)
     result = _run(DISABLED_PROGRAM, AUTOGRAPH_DISABLE="1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "5 []"
     enabled = _run(DISABLED_PROGRAM, AUTOGRAPH_DISABLE="0")
-    assert enabled.stdout.startswith("2 [KeyStats("), enabled.stderr
+    assert enabled.stdout.strip() == "2 [('graphed', 5, 1, 4)]", enabled.stderr
 
 
 def test_log_variable_reports_captures():

@@ -1,5 +1,5 @@
 """What only a GPU can show: bitwise equality with eager on real models, stale static outputs,
-autocast, the CUDA random generator, streams, memory, and an HF Llama decode.
+autocast, cuDNN handles, streams, memory, and an HF Llama decode.
 
 The engine's behaviour on both devices is in test_graphed.py, run there on CUDA too.
 Skipped, with the reason, where there is no GPU."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autograph
-from conftest import autograph_warnings, requires_cuda
+from conftest import autograph_warnings, requires_cuda, states
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -32,7 +32,8 @@ def test_mlp_equals_eager_bitwise():
             assert torch.equal(graphed(x), model(x))
     row, = graphed.forward.stats()
     assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 6, 1, 5)
-    assert row.graph_bytes >= 0 and row.capture_seconds < 5
+    # the first graph of a new pool reserves memory of its own
+    assert row.graph_bytes > 0 and 0 < row.capture_seconds < 5
 
 
 def test_several_shapes_and_kept_outputs():
@@ -47,7 +48,7 @@ def test_several_shapes_and_kept_outputs():
             kept.append((x, f(x)))
     for x, out in kept:  # every output still holds its own call's value
         assert torch.equal(out, torch.tanh(x) * 2)
-    assert sorted(s.state for s in f.stats()) == ["graphed"] * 3
+    assert states(f) == [("graphed", 4, 1, 3)] * 3
 
 
 def test_static_outputs_are_fast_and_stale_ones_raise():
@@ -62,6 +63,7 @@ def test_static_outputs_are_fast_and_stale_ones_raise():
         if i == 2:
             first, view = out, out[1:]
     f(torch.zeros(4, device="cuda"))
+    assert states(f) == [("graphed", 5, 1, 4)]
     with pytest.raises(RuntimeError, match="was overwritten by a later call"):
         first.sum()
     with pytest.raises(RuntimeError, match="was overwritten by a later call"):
@@ -75,9 +77,10 @@ def test_static_outputs_die_with_their_function():
 
     for _ in range(3):
         kept = f(torch.zeros(4, device="cuda"))
+    assert states(f) == [("graphed", 3, 1, 2)]
     del f
     gc.collect()   # the graph and its buffers are gone: the alias must not read freed memory
-    with pytest.raises(RuntimeError, match="was overwritten by a later call"):
+    with pytest.raises(RuntimeError, match="belonged to a graph that was released"):
         kept.sum()
 
 
@@ -93,23 +96,7 @@ def test_autocast_on_and_off_get_their_own_graphs():
     keys = sorted(r.key for r in graphed.forward.stats())
     assert keys == ["input: f32[2, 512] cuda:0 (no_grad, autocast cuda bf16, eval)",
                     "input: f32[2, 512] cuda:0 (no_grad, eval)"]
-    assert all(r.state == "graphed" for r in graphed.forward.stats())
-
-
-def test_random_ops_are_fresh_per_replay_and_follow_the_seed():
-    @autograph.graphed
-    def noisy(x):
-        return torch.nn.functional.dropout(x, 0.5) + torch.rand_like(x)
-
-    def run():
-        torch.manual_seed(0)
-        return [noisy(torch.ones(64, device="cuda")) for _ in range(6)]
-
-    first = run()
-    assert noisy.stats()[0].state == "graphed"
-    assert len({tuple(t.tolist()) for t in first}) == 6
-    second = run()
-    assert all(torch.equal(a, b) for a, b in zip(first[2:], second[2:]))
+    assert states(graphed) == [("graphed", 3, 1, 2)] * 2
 
 
 def test_a_convolution_captured_in_a_thread_that_never_ran_one():
@@ -148,20 +135,7 @@ def test_replay_on_another_stream_is_ordered():
             out = f(x)
         torch.cuda.current_stream().wait_stream(stream)
         assert torch.equal(out, torch.sin(x) * 2 + x.flip(0))
-
-
-def test_replaced_parameters_are_captured_again():
-    model = autograph.graphed(mlp(layers=2, dtype=torch.float32))
-    with torch.no_grad():
-        for _ in range(3):
-            model(torch.randn(1, 512, device="cuda"))
-        model.to(torch.float64).to(torch.float32)  # every parameter gets new memory
-        model[0].weight.mul_(0)                     # and an in-place update must show
-        x = torch.randn(1, 512, device="cuda")
-        reference = x
-        for layer in model:
-            reference = layer(reference)
-        assert torch.equal(model(x), reference)
+    assert states(f) == [("graphed", 6, 1, 5)]   # replays alternate between the two streams
 
 
 def test_reset_gives_the_memory_back():
@@ -174,8 +148,10 @@ def test_reset_gives_the_memory_back():
 
     for _ in range(3):
         f(torch.randn(1024, 1024, device="cuda"))
+    assert states(f) == [("graphed", 3, 1, 2)]
     assert torch.cuda.memory_reserved() > base
     f.reset()
+    assert f.stats() == []
     assert torch.cuda.memory_reserved() <= base + (2 << 20)
 
 
@@ -216,7 +192,8 @@ def test_hf_llama_decode_with_static_cache_matches_eager(caught):
     expected, got = decode(eager_model), decode(graphed_model)
     for step, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"decode step {step} differs"
-    decode_row, = [r for r in graphed_model.forward.stats() if "[1, 1]" in r.key]
+    prefill_row, decode_row = graphed_model.forward.stats()
+    assert "[1, 1]" in decode_row.key and "[1, 8]" in prefill_row.key
     assert decode_row.state == "graphed", decode_row.fallback_reason
-    assert decode_row.replays == 19 and decode_row.eager_calls == 1
+    assert states(graphed_model) == [("warmup", 1, 1, 0), ("graphed", 20, 1, 19)]
     assert autograph_warnings(caught) == []

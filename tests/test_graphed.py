@@ -15,11 +15,8 @@ import pytest
 import torch
 
 import autograph
-from conftest import autograph_warnings, device_label
-
-
-def states(fn):
-    return [(s.state, s.calls, s.eager_calls, s.replays) for s in fn.stats()]
+from autograph import _config
+from conftest import autograph_warnings, device_label, is_label_of, states
 
 
 def test_warmup_then_capture_then_replay(device):
@@ -43,16 +40,25 @@ def test_warmup_then_capture_then_replay(device):
 
 def test_each_call_runs_the_work_exactly_once_in_every_phase(device):
     counter = torch.zeros((), dtype=torch.int64, device=device)
+    python_runs = []
 
     @autograph.graphed(warmup=2)
     def bump(x):
+        python_runs.append(1)
         counter.add_(1)
         return x + counter
 
+    phases = []
     for n in range(1, 8):
         out = bump(torch.zeros(3, device=device))
         assert counter.item() == n
         assert torch.equal(out, torch.full((3,), float(n), device=device))
+        phases.append(states(bump))
+    # two warmups, the capture (replayed once for its result), then four replays: the
+    # replays did the work without running Python
+    assert phases == [[("warmup", 1, 1, 0)], [("warmup", 2, 2, 0)], [("graphed", 3, 2, 1)],
+                      *[[("graphed", n, 2, n - 2)] for n in range(4, 8)]]
+    assert len(python_runs) == 3
 
 
 def test_several_shapes_get_separate_graphs(device):
@@ -63,8 +69,9 @@ def test_several_shapes_get_separate_graphs(device):
     for n in (1, 2, 3, 1, 2, 3, 1):
         x = torch.randn(n, device=device)
         assert torch.equal(double(x), x * 2)
-    assert sorted((s.key, s.calls) for s in double.stats()) == [
-        (f"x: f32[{n}] {device_label(device)}", calls) for n, calls in ((1, 3), (2, 2), (3, 2))]
+    assert [(s.key, s.state, s.calls, s.eager_calls, s.replays) for s in double.stats()] == [
+        (f"x: f32[{n}] {device_label(device)}", "graphed", calls, 1, calls - 1)
+        for n, calls in ((1, 3), (2, 2), (3, 2))]
 
 
 def test_pytree_inputs_and_outputs(device):
@@ -90,6 +97,8 @@ def test_outputs_are_owned_by_the_caller_across_calls(device):
 
     kept = [f(torch.full((2,), float(i), device=device)) for i in range(5)]
     assert [k[0].item() for k in kept] == [1, 2, 3, 4, 5]
+    assert states(f) == [("graphed", 5, 1, 4)]
+    assert len({k.data_ptr() for k in kept}) == 5
 
 
 def test_static_outputs_without_poisoning_support_fall_back_to_copies(emulated):
@@ -100,6 +109,7 @@ def test_static_outputs_without_poisoning_support_fall_back_to_copies(emulated):
 
     kept = [f(torch.full((2,), float(i))) for i in range(4)]
     assert [k[0].item() for k in kept] == [1, 2, 3, 4]
+    assert states(f) == [("graphed", 4, 1, 3)]
 
 
 def test_in_place_writes_reach_the_callers_tensor(device):
@@ -113,6 +123,7 @@ def test_in_place_writes_reach_the_callers_tensor(device):
         s = accumulate(total, torch.ones(3, device=device))
         assert torch.equal(total, torch.full((3,), i + 1.0, device=device))
         assert s.item() == 3 * (i + 1)
+    assert states(accumulate) == [("graphed", 5, 1, 4)]
 
 
 def test_outputs_aliasing_arguments_are_the_callers_tensors(device):
@@ -121,13 +132,14 @@ def test_outputs_aliasing_arguments_are_the_callers_tensors(device):
         x.mul_(2)
         return x, x[1:], y.t(), x + 1
 
-    for _ in range(3):
+    for _ in range(4):
         x, y = torch.ones(4, device=device), torch.randn(2, 3, device=device)
         a, b, c, d = f(x, y)
         assert a is x and torch.equal(x, torch.full((4,), 2.0, device=device))
         assert b.data_ptr() == x.data_ptr() + x.element_size() and torch.equal(b, x[1:])
         assert c.data_ptr() == y.data_ptr() and torch.equal(c, y.t())
         assert torch.equal(d, x + 1)
+    assert states(f) == [("graphed", 4, 1, 3)]
 
 
 def test_outputs_that_alias_each_other_stay_aliased(device):
@@ -136,32 +148,67 @@ def test_outputs_that_alias_each_other_stay_aliased(device):
         y = x * 2
         return y, y[::2], y.view(2, 2)
 
-    for _ in range(3):
+    for _ in range(4):
         y, every_other, square = f(torch.arange(4.0, device=device))
         assert torch.equal(y, torch.arange(4.0, device=device) * 2)
         y.zero_()
         assert every_other.abs().sum() == 0 and square.abs().sum() == 0
+    assert states(f) == [("graphed", 4, 1, 3)]
 
 
 def test_write_through_an_argument_that_shares_memory_runs_eagerly(device):
-    @autograph.graphed
-    def f(a, b):
-        a.add_(1)
-        return b * 1
+    def make():
+        @autograph.graphed
+        def f(a, b):
+            a.add_(1)
+            return b * 1
+        return f
 
+    def separate():
+        return torch.zeros(2, device=device), torch.zeros(2, device=device)
+
+    ones = torch.ones(2, device=device)
+    f = make()
     for _ in range(3):
-        f(torch.zeros(2, device=device), torch.zeros(2, device=device))
+        assert torch.equal(f(*separate()), torch.zeros(2, device=device))
+    assert states(f) == [("graphed", 3, 1, 2)]
     x = torch.zeros(2, device=device)
-    assert torch.equal(f(x, x), torch.ones(2, device=device))   # eager sees the write through b
+    assert torch.equal(f(x, x), ones)   # eager sees the write through b
+    assert torch.equal(x, ones)
+    assert states(f) == [("graphed", 4, 2, 2)]    # the graph stays, the call did not replay it
+    assert torch.equal(f(*separate()), torch.zeros(2, device=device))
+    assert states(f) == [("graphed", 5, 2, 3)]    # and serves the next call
+
+    g = make()                                    # the capture call itself shares memory
+    g(*separate())
+    x = torch.zeros(2, device=device)
+    assert torch.equal(g(x, x), ones) and torch.equal(x, ones)
+    assert states(g) == [("warmup", 2, 2, 0)]     # ran eagerly, nothing captured
+    for _ in range(2):
+        assert torch.equal(g(*separate()), torch.zeros(2, device=device))
+    assert states(g) == [("graphed", 4, 2, 2)]         # captured at the next call
 
 
-def test_random_ops_give_fresh_numbers_on_every_replay(device):
-    @autograph.graphed
-    def noise(x):
-        return x + torch.rand(4, device=device)
+def test_random_ops_give_fresh_numbers_on_every_replay_and_follow_the_seed(device):
+    def noisy(x):
+        return torch.nn.functional.dropout(x, 0.5) + torch.rand_like(x)
 
-    draws = [noise(torch.zeros(4, device=device)) for _ in range(5)]
-    assert len({tuple(d.tolist()) for d in draws}) == 5
+    graphed = autograph.graphed(noisy)
+
+    def run(fn):
+        torch.manual_seed(0)
+        return [fn(torch.ones(64, device=device)) for _ in range(6)]
+
+    first = run(graphed)
+    assert states(graphed) == [("graphed", 6, 1, 5)]
+    assert len({tuple(t.tolist()) for t in first}) == 6
+    second = run(graphed)                      # every call a replay now
+    assert states(graphed) == [("graphed", 12, 1, 11)]
+    # a capture and its replay advance the generator as one eager call does, and a replay
+    # draws what an eager call would from the same generator state
+    eager = run(noisy)
+    assert all(torch.equal(a, b) for a, b in zip(first, eager))
+    assert all(torch.equal(a, b) for a, b in zip(second, eager))
 
 
 def test_python_side_effects_happen_at_capture_not_at_replay(device):
@@ -175,6 +222,7 @@ def test_python_side_effects_happen_at_capture_not_at_replay(device):
     for _ in range(5):
         f(torch.zeros(1, device=device))
     assert len(seen) == 2  # warmup and capture (SPEC 7)
+    assert states(f) == [("graphed", 5, 1, 4)]
 
 
 class Scaler(torch.nn.Module):
@@ -198,19 +246,34 @@ def test_methods_keep_graphs_per_instance(device):
     rows = Scaler.forward.stats()   # instances are numbered in order of first call
     assert len({r.function for r in rows}) == 2
     assert all(r.function.startswith("Scaler.forward#") for r in rows)
-    assert [(r.state, r.calls) for r in rows] == [("graphed", 4), ("graphed", 4)]
+    assert states(Scaler.forward) == [("graphed", 4, 1, 3), ("graphed", 4, 1, 3)]
+    # one instance's rows, by the instance or by its bound method
+    a_row, = autograph.stats(a)
+    assert autograph.stats(a.forward) == rows and a_row in rows
+    assert autograph.stats(b)[0].function != a_row.function
 
 
 def test_the_cache_keeps_no_instance_alive(device):
+    engine = Scaler.forward._self_engine
     model = Scaler(2.0).to(device)
     with torch.no_grad():
         for _ in range(3):
             model(torch.randn(2, 4, device=device))
+    row, = autograph.stats(model)
+    assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 3, 1, 2)
+    assert row in Scaler.forward.stats()
+    cache = engine.instance_caches[model]
+    cache_ref, graph_ref = weakref.ref(cache), weakref.ref(next(iter(cache.entries.values())).graph)
+    del cache
     ref = weakref.ref(model)
     del model
     gc.collect()
     assert ref() is None
-    assert all(r.function != "Scaler.forward#1" for r in autograph.stats())
+    # the instance's cache, its graph and its rows went with it (instance numbers are never
+    # reused, so no other instance's row can carry this name)
+    assert cache_ref() is None and graph_ref() is None
+    assert all(r.function != row.function for r in Scaler.forward.stats())
+    assert all(r.function != row.function for r in autograph.stats())
 
 
 class Plain(torch.nn.Module):
@@ -218,8 +281,10 @@ class Plain(torch.nn.Module):
         super().__init__()
         self.linear = torch.nn.Linear(4, 4)
         self.register_buffer("offset", torch.ones(4))
+        self.python_runs = 0      # the forward's Python runs at warmup and capture only
 
     def forward(self, x):
+        self.python_runs += 1
         return torch.nn.functional.gelu(self.linear(x)) + self.offset
 
 
@@ -235,8 +300,13 @@ def test_a_graphed_module_is_still_the_module(device):
             for _ in range(3):
                 x = torch.randn(3, 4, device=device)
                 assert torch.equal(graphed(x), torch.nn.functional.gelu(model.linear(x)) + 1)
-    assert sorted(r.key for r in graphed.forward.stats()) == [
-        f"x: f32[3, 4] {device_label(device)} (no_grad, {mode})" for mode in ("eval", "train")]
+    assert sorted((r.key, r.state, r.calls, r.eager_calls, r.replays)
+                  for r in graphed.forward.stats()) == [
+        (f"x: f32[3, 4] {device_label(device)} (no_grad, {mode})", "graphed", calls, 1, calls - 1)
+        for mode, calls in (("eval", 3), ("train", 6))]
+    assert autograph.stats(graphed) == graphed.forward.stats()
+    assert is_label_of(graphed.forward.stats()[0].function, Plain)
+    assert model.python_runs == 4   # warmup and capture of each key
     ref = weakref.ref(model)
     del model, graphed
     gc.collect()
@@ -245,27 +315,43 @@ def test_a_graphed_module_is_still_the_module(device):
 
 def test_replaced_parameters_are_captured_again(device):
     model = autograph.graphed(Plain().to(device))
+
+    def check(offset):
+        x = torch.randn(2, 4, device=device)
+        expected = torch.nn.functional.gelu(model.linear(x)) + offset
+        assert torch.equal(model(x), expected)
+
     with torch.no_grad():
         for _ in range(3):
-            model(torch.randn(2, 4, device=device))
+            check(1.0)
+        assert states(model) == [("graphed", 3, 1, 2)] and model.python_runs == 2
         model.linear.weight.data = torch.randn(4, 4, device=device)
         model.offset = torch.full((4,), 5.0, device=device)  # a buffer replaced by assignment
         for _ in range(2):
-            x = torch.randn(2, 4, device=device)
-            expected = torch.nn.functional.gelu(model.linear(x)) + 5.0
-            assert torch.equal(model(x), expected)
+            check(5.0)
+        # the first call after the change captured again (the forward's Python ran once
+        # more), and both calls replayed
+        assert states(model) == [("graphed", 5, 1, 4)] and model.python_runs == 3
+        model.to(torch.float64).to(torch.float32)   # every parameter and buffer: new memory
+        model.linear.weight.mul_(0)                 # and an update in place must show
+        for _ in range(2):
+            check(5.0)
+        assert states(model) == [("graphed", 7, 1, 6)] and model.python_runs == 4
 
 
-def test_calls_that_need_gradients_run_eagerly_and_say_so_once(device, caught):
-    model = autograph.graphed(Plain().to(device))
+def test_calls_that_need_gradients_are_graphed_with_their_backward(device, caught):
+    model, twin = autograph.graphed(Plain().to(device)), Plain().to(device)
+    twin.load_state_dict(model.state_dict())
     for _ in range(3):
-        out = model(torch.randn(2, 4, device=device))
-        assert out.requires_grad
-    messages = autograph_warnings(caught)
-    assert len(messages) == 1
-    assert "runs eagerly: its outputs need gradients" in messages[0]
-    assert "torch.no_grad()" in messages[0]
-    assert caught[0].filename == __file__
+        x = torch.randn(2, 4, device=device)
+        out = model(x)
+        assert out.requires_grad and torch.equal(out, twin(x))
+        out.sum().backward()
+        twin(x).sum().backward()
+    assert torch.equal(model.linear.weight.grad, twin.linear.weight.grad)
+    assert states(model) == [("graphed", 3, 1, 2)]
+    assert model.python_runs == 2  # warmup and capture; the replays run no Python
+    assert autograph_warnings(caught) == []
 
 
 def test_closed_over_parameters_that_need_gradients_are_found_at_warmup(device, caught):
@@ -276,9 +362,12 @@ def test_closed_over_parameters_that_need_gradients_are_found_at_warmup(device, 
         return x * weight
 
     for _ in range(3):
-        assert f(torch.ones(3, device=device)).requires_grad
-    assert states(f) == [("eager", 3, 3, 0)]
-    assert len(autograph_warnings(caught)) == 1
+        out = f(torch.ones(3, device=device))
+        assert out.requires_grad
+        out.sum().backward()
+    assert torch.equal(weight.grad, torch.full((3,), 3.0, device=device))
+    assert states(f) == [("graphed", 3, 1, 2)]
+    assert autograph_warnings(caught) == []
 
 
 def test_max_graphs_bounds_the_graphs_and_says_so_once(device, caught):
@@ -289,8 +378,7 @@ def test_max_graphs_bounds_the_graphs_and_says_so_once(device, caught):
     for n in range(1, 6):
         for _ in range(2):
             assert torch.equal(f(torch.zeros(n, device=device)), torch.ones(n, device=device))
-    by_state = sorted(s.state for s in f.stats())
-    assert by_state == ["eager", "eager", "eager", "graphed", "graphed"]
+    assert states(f) == [("graphed", 2, 1, 1)] * 2 + [("eager", 2, 2, 0)] * 3
     messages = autograph_warnings(caught)
     assert len(messages) == 1 and "max_graphs=2" in messages[0]
 
@@ -302,6 +390,7 @@ def test_reset_drops_graphs_and_starts_over(device):
 
     for _ in range(3):
         f(torch.ones(2, device=device))
+    assert states(f) == [("graphed", 3, 1, 2)]
     f.reset()
     assert f.stats() == []
     assert torch.equal(f(torch.ones(2, device=device)), torch.full((2,), 3.0, device=device))
@@ -315,8 +404,11 @@ def test_unsafe_operation_falls_back_once_with_the_users_line(device, caught):
             return x * 2
         return x
 
-    for _ in range(3):
+    assert torch.equal(f(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
+    assert autograph_warnings(caught) == []    # the warmup ran as written, the guard watching
+    for _ in range(2):  # the capture stops at the unsafe line; this call and later run eagerly
         assert torch.equal(f(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
+    assert states(f) == [("eager", 3, 3, 0)]
     messages = autograph_warnings(caught)
     line = f.__wrapped__.__code__.co_firstlineno + 2
     assert messages == [f"test_unsafe_operation_falls_back_once_with_the_users_line"
@@ -339,50 +431,96 @@ def test_unsafe_operation_only_on_the_capture_path_is_stopped(device, caught):
     read_on_host[0] = True        # the warmup did not take this path; the capture does
     outs += [f(torch.zeros(1, device=device)) for _ in range(3)]
     assert [o.item() for o in outs] == [1.0, 0.0, 0.0, 0.0]
-    assert f.stats()[0].state == "eager"
-    assert ".item()" in autograph_warnings(caught)[0]
+    assert states(f) == [("eager", 4, 4, 0)]
+    messages = autograph_warnings(caught)
+    assert len(messages) == 1 and ".item()" in messages[0]
 
 
-def test_strict_raises_instead_of_falling_back(device):
-    @autograph.graphed(strict=True)
+@pytest.mark.parametrize("how", ["strict=True", "AUTOGRAPH_STRICT=1"])
+def test_strict_raises_instead_of_falling_back(device, how, monkeypatch, caught):
+    if how == "strict=True":
+        strict = autograph.graphed(strict=True)
+    else:
+        monkeypatch.setattr(_config, "ENV", _config.Environment(strict=True))
+        strict = autograph.graphed
+
     def f(x):
         return x * x.sum().item()
 
-    for _ in range(3):  # found at the (only) warmup call, then raised on every call
-        with pytest.raises(autograph.CaptureError, match=r"runs eagerly: \.item\(\) at"):
-            f(torch.ones(2, device=device))
+    def g(x):
+        return x * 2
+
+    f_strict, g_strict = strict(f), strict(g)
+    f_lenient = autograph.graphed(strict=False)(f)   # the function's own option wins
+    twos = torch.full((2,), 2.0, device=device)
+    assert torch.equal(f_strict(torch.ones(2, device=device)), twos)   # warmup: runs as written
+    line = f.__code__.co_firstlineno + 1
+    message = (f"{f.__qualname__}(x: f32[2] {device_label(device)}) runs eagerly: .item() at "
+               f"test_graphed.py:{line} synchronises with the host")
+    for _ in range(3):  # the capture found it, then every later call raises too
+        with pytest.raises(autograph.CaptureError) as raised:
+            f_strict(torch.ones(2, device=device))
+        assert str(raised.value) == message
+    assert states(f_strict) == [("eager", 4, 1, 0)]
+    for _ in range(4):
+        assert torch.equal(f_lenient(torch.ones(2, device=device)), twos)
+        assert torch.equal(g_strict(torch.ones(2, device=device)), twos)
+    assert states(f_lenient) == [("eager", 4, 4, 0)]
+    assert states(g_strict) == [("graphed", 4, 1, 3)]   # strict changes nothing that graphs
+    assert autograph_warnings(caught) == [message]       # the lenient one's, once
 
 
-def test_users_own_exception_propagates_in_every_phase_and_the_key_recovers(device):
+def test_users_own_exception_propagates_in_every_phase_and_the_key_recovers(device, caught):
     counter = torch.zeros((), device=device)
-    fail = [False]
+    fail = set()
 
     @autograph.graphed
-    def f(x):
+    def f(x, phase):
         counter.add_(1)
-        if fail[0]:
-            raise ValueError("bad input")
+        if phase in fail:
+            raise ValueError(f"bad input in {phase}")
+        if phase == "eager":
+            x.sum().item()           # this key falls back at its capture
         return x + counter
 
-    fail[0] = True
-    with pytest.raises(ValueError, match="bad input"):   # warmup
-        f(torch.zeros(1, device=device))
-    fail[0] = False
-    f(torch.zeros(1, device=device))
-    fail[0] = True
-    with pytest.raises(ValueError, match="bad input") as raised:   # capture
-        f(torch.zeros(1, device=device))
-    assert raised.traceback[-1].name == "f"
+    def call(phase, failing=False):
+        if failing:
+            fail.add(phase)
+        try:
+            return f(torch.zeros(1, device=device), phase).item()
+        finally:
+            fail.clear()
+
+    def raises(phase):
+        with pytest.raises(ValueError, match=f"bad input in {phase}") as raised:
+            call(phase, failing=True)
+        assert raised.traceback[-1].name == "f"
+
+    raises("graphed")                      # at warmup
+    assert call("graphed") == 2            # warmup
+    raises("graphed")                      # at capture
     assert counter.item() == 3  # the work before the raise ran, once, as in eager mode
-    fail[0] = False
-    assert f(torch.zeros(1, device=device)).item() == 4   # captured now
-    assert f(torch.zeros(1, device=device)).item() == 5   # replayed
-    assert f.stats()[0].state == "graphed"
+    assert call("graphed") == 4            # captured now
+    assert call("graphed") == 5            # replayed
+    assert call("eager") == 6              # warmup
+    assert call("eager") == 7              # the capture stopped at .item(): eager, once
+    raises("eager")                        # in a key that runs eagerly
+    assert counter.item() == 8
+    assert call("graphed") == 9            # the graph still replays
+    rows = {r.key.split("phase=")[1]: (r.state, r.calls, r.eager_calls, r.replays)
+            for r in f.stats()}
+    # the call that raised during capture is neither an eager call nor a replay
+    assert rows == {"'graphed'": ("graphed", 6, 2, 3), "'eager'": ("eager", 3, 3, 0)}
+    messages = autograph_warnings(caught)
+    assert len(messages) == 1 and ".item()" in messages[0]
 
 
 def test_a_graphed_function_inside_another_becomes_part_of_its_graph(device):
+    inner_runs = []
+
     @autograph.graphed
     def inner(x):
+        inner_runs.append(1)
         return x * 2
 
     @autograph.graphed
@@ -393,6 +531,9 @@ def test_a_graphed_function_inside_another_becomes_part_of_its_graph(device):
         x = torch.randn(3, device=device)
         assert torch.equal(outer(x), x * 2 + 1)
     assert states(outer) == [("graphed", 4, 1, 3)]
+    assert len(inner_runs) == 2     # at the outer warmup and capture; replays are outer's
+    # inner's own engine saw only the outer warmup's call: inside a capture it steps aside
+    assert states(inner) == [("warmup", 1, 1, 0)]
 
 
 def test_threads_calling_one_function_get_their_own_results(device):
@@ -428,31 +569,17 @@ def test_stats_and_report(device, capsys):
 
     for _ in range(3):
         f(torch.zeros(2, device=device))
-    row, = [r for r in autograph.stats() if r.function.endswith("<locals>.f")]
+    row, = autograph.stats(f)
+    assert row in autograph.stats() and row.function.endswith("<locals>.f")
     assert (row.key, row.state, row.calls, row.replays, row.eager_calls, row.fallback_reason) \
         == (f"x: f32[2] {device_label(device)}", "graphed", 3, 2, 1, None)
     assert row.capture_seconds is not None and row.capture_seconds > 0
     autograph.report()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["function", "key", "state", "calls", "replays", "eager",
-                                "capture", "ms", "MiB", "fallback", "reason"]
+                                "capture", "ms", "MiB", "padding", "fallback", "reason"]
     line = next(line for line in lines if line.startswith(row.function))
     assert line.split()[1:8] == ["x:", "f32[2]", device_label(device), "graphed", "3", "2", "1"]
-
-
-def test_disabled_environment_is_checked_on_every_call(device, monkeypatch):
-    from autograph import _config
-    runs = []
-
-    @autograph.graphed
-    def f(x):
-        runs.append(1)
-        return x
-
-    monkeypatch.setattr(_config, "ENV", _config.Environment(disable=True))
-    for _ in range(4):
-        f(torch.zeros(1, device=device))
-    assert len(runs) == 4 and f.stats() == []
 
 
 def test_expanded_and_strided_arguments(device):
@@ -465,7 +592,8 @@ def test_expanded_and_strided_arguments(device):
         x = torch.randn(8, 4, device=device).t()             # not contiguous
         assert torch.equal(f(bias, x), x + bias)
     row, = f.stats()
-    assert row.state == "graphed" and "strides=(0, 1)" in row.key
+    assert "strides=(0, 1)" in row.key
+    assert states(f) == [("graphed", 4, 1, 3)]
 
 
 @dataclasses.dataclass
@@ -487,4 +615,4 @@ def test_dataclass_and_namedtuple_outputs(device):
         assert isinstance(prediction, Prediction) and prediction.label == "doubled"
         assert torch.equal(prediction.logits, x * 2)
         assert isinstance(pair, Pair) and torch.equal(pair.first, x + 1) and pair.second is None
-    assert f.stats()[0].state == "graphed"
+    assert states(f) == [("graphed", 4, 1, 3)]

@@ -43,7 +43,7 @@ def test_execution_state_changes_the_key():
 
 def test_fast_path_returns_the_tensors_in_order():
     a, b = torch.zeros(1), torch.ones(2)
-    _, tensors, keep_alive = call_key((a, b), {}, execution_state(None))
+    _, tensors, keep_alive, *_ = call_key((a, b), {}, execution_state(None))
     assert tensors[0] is a and tensors[1] is b and keep_alive == []
 
 
@@ -66,7 +66,7 @@ def test_pytrees_are_flattened_with_tensors_in_order():
     t = [torch.zeros(i + 1) for i in range(6)]
     args = ((t[0], [t[1], {"k": t[2]}]), Batch(t[3], t[4]), Pair(t[5], 3))
     kwargs = {"mode": Mode.FAST, "dtype": torch.float16}
-    k, tensors, _ = call_key(args, kwargs, execution_state(None))
+    k, tensors, *_ = call_key(args, kwargs, execution_state(None))
     assert [x.numel() for x in tensors] == [1, 2, 3, 4, 5, 6]
     assert k == key(*args, mode=Mode.FAST, dtype=torch.float16)
     assert k != key(*args, mode=Mode.SLOW, dtype=torch.float16)
@@ -91,7 +91,7 @@ def test_objects_hashed_by_identity_are_kept_alive():
         pass
 
     cache = Cache()
-    k, _, keep_alive = call_key((torch.zeros(1), cache), {}, execution_state(None))
+    k, _, keep_alive, *_ = call_key((torch.zeros(1), cache), {}, execution_state(None))
     assert keep_alive == [cache]
     assert k != key(torch.zeros(1), Cache())
 

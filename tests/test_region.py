@@ -1,4 +1,8 @@
-"""``autograph.region()``: scoping, options, threads, clean exit and lifetimes (on CPU)."""
+"""``autograph.region()``: scoping, options, threads, clean exit, pools and lifetimes.
+
+Run on CPU tensors through the CPU emulation of CUDA graphs, and on a GPU where there is one.
+"""
+import contextlib
 import gc
 import threading
 import weakref
@@ -7,10 +11,8 @@ import pytest
 import torch
 
 import autograph
-from autograph import _region
-from conftest import autograph_warnings
-
-pytestmark = pytest.mark.usefixtures("emulated")
+from autograph import _config, _region, _scope
+from conftest import autograph_warnings, is_label_of, states
 
 
 class Block(torch.nn.Module):
@@ -24,13 +26,9 @@ class Block(torch.nn.Module):
         return torch.relu(self.inner(x))
 
 
-def rows(stats):
-    return sorted((r.function, r.state, r.calls, r.replays, r.eager_calls) for r in stats)
-
-
-def test_top_level_module_calls_are_graphed_inside_and_only_inside():
-    model = Block()
-    x = torch.randn(2, 4)
+def test_top_level_module_calls_are_graphed_inside_and_only_inside(device):
+    model = Block().to(device)
+    x = torch.randn(2, 4, device=device)
     with torch.no_grad():
         expected = torch.relu(model.inner(x))
         with autograph.region() as region:
@@ -39,12 +37,16 @@ def test_top_level_module_calls_are_graphed_inside_and_only_inside():
         assert model.calls == 2                     # warmup + capture; two replays
         model(x)
         assert model.calls == 3                     # outside: plain eager
-    assert rows(region.stats().keys) == [("Block", "graphed", 4, 3, 1)]  # none for the Linear
+    assert states(region) == [("graphed", 4, 1, 3)]  # one key: none for the Linear
+    row, = region.stats().keys
+    assert is_label_of(row.function, Block)
+    assert autograph.stats(model) == [row]          # the call outside was not counted
+    assert autograph.stats(model.inner) == []
     stats = region.stats()
     assert (stats.captures, stats.replays, stats.eager_calls) == (1, 3, 1)
 
 
-def test_plain_functions_run_as_written_and_decorated_ones_take_region_options():
+def test_plain_functions_run_as_written_and_decorated_ones_take_region_options(device):
     python_runs = {"plain": 0, "decorated": 0, "own": 0}
 
     def plain(x):
@@ -61,13 +63,18 @@ def test_plain_functions_run_as_written_and_decorated_ones_take_region_options()
         python_runs["own"] += 1
         return x + 1
 
-    with autograph.region(warmup=3):
+    with autograph.region(warmup=3) as region:
         for _ in range(6):
-            plain(torch.zeros(1)), decorated(torch.zeros(1)), own(torch.zeros(1))
+            x = torch.zeros(1, device=device)
+            plain(x), decorated(x), own(x)
     assert python_runs == {"plain": 6, "decorated": 4, "own": 2}  # 3 warmups + capture; 1 + 1
+    assert states(decorated) == [("graphed", 6, 3, 3)]
+    assert states(own) == [("graphed", 6, 1, 5)]
+    stats = region.stats()
+    assert (stats.captures, stats.replays, stats.eager_calls) == (2, 8, 4)
 
 
-def test_regions_nest_and_the_inner_one_wins():
+def test_regions_nest_and_the_inner_one_wins(device):
     runs = []
 
     @autograph.graphed
@@ -75,44 +82,56 @@ def test_regions_nest_and_the_inner_one_wins():
         runs.append(1)
         return x
 
-    with autograph.region(warmup=1):
+    with autograph.region(warmup=2):
         with autograph.region(enabled=False):
             for _ in range(3):
-                f(torch.zeros(1))
+                f(torch.zeros(1, device=device))
             assert len(runs) == 3 and f.stats() == []   # eager, and not even counted
-            with autograph.region():
+            with autograph.region(warmup=1):
                 for _ in range(3):
-                    f(torch.zeros(1))
-    assert len(runs) == 5 and f.stats()[0].state == "graphed"
+                    f(torch.zeros(1, device=device))
+    assert len(runs) == 5                               # warmup=1, not the outer 2
+    assert states(f) == [("graphed", 3, 1, 2)]
 
 
-def test_disabled_region_makes_modules_eager():
-    model = Block()
-    with torch.no_grad(), autograph.region(enabled=False):
-        for _ in range(3):
-            model(torch.randn(2, 4))
-    assert model.calls == 3 and not [r for r in autograph.stats() if r.function == "Block"]
+@pytest.mark.parametrize("how", ["AUTOGRAPH_DISABLE=1", "region(enabled=False)",
+                                 "AUTOGRAPH_DISABLE=1 in a region"])
+def test_disabled_runs_every_call_eagerly_and_records_nothing(device, how, monkeypatch):
+    if how.startswith("AUTOGRAPH_DISABLE"):
+        monkeypatch.setattr(_config, "ENV", _config.Environment(disable=True))
+    scope = {"AUTOGRAPH_DISABLE=1": contextlib.nullcontext(),
+             "region(enabled=False)": autograph.region(enabled=False),
+             "AUTOGRAPH_DISABLE=1 in a region": autograph.region()}[how]
+    runs = []
+
+    @autograph.graphed
+    def f(x):
+        runs.append(1)
+        return x + 1
+
+    graphed_model, region_model = autograph.graphed(Block().to(device)), Block().to(device)
+    with torch.no_grad(), scope:
+        for _ in range(4):                # checked on every call: Python runs every time
+            x = torch.randn(2, 4, device=device)
+            assert torch.equal(f(x), x + 1)
+            assert torch.equal(graphed_model(x), torch.relu(graphed_model.inner(x)))
+            assert torch.equal(region_model(x), torch.relu(region_model.inner(x)))
+    assert (len(runs), graphed_model.calls, region_model.calls) == (4, 4, 4)
+    assert f.stats() == [] and autograph.stats(graphed_model) == []
+    assert autograph.stats(region_model) == []
+    if isinstance(scope, autograph.Region):
+        assert scope.stats() == autograph.RegionStats(0, 0, 0, [])
 
 
-def test_environment_variable_beats_every_region(monkeypatch):
-    from autograph import _config
-    monkeypatch.setattr(_config, "ENV", _config.Environment(disable=True))
-    model = Block()
-    with torch.no_grad(), autograph.region():
-        for _ in range(3):
-            model(torch.randn(2, 4))
-    assert model.calls == 3
-
-
-def test_regions_are_per_thread():
-    model = Block()
+def test_regions_are_per_thread(device):
+    model = Block().to(device)
     entered, done = threading.Event(), threading.Event()
 
     def inside():
         with torch.no_grad(), autograph.region():
             entered.set()
             for _ in range(3):
-                model(torch.randn(2, 4))
+                model(torch.randn(2, 4, device=device))
             done.wait(10)
 
     worker = threading.Thread(target=inside)
@@ -120,11 +139,11 @@ def test_regions_are_per_thread():
     entered.wait(10)
     with torch.no_grad():
         for _ in range(5):                   # another thread: the region does not apply
-            model(torch.randn(2, 4))
+            model(torch.randn(2, 4, device=device))
     done.set()
     worker.join()
-    row, = [r for r in autograph.stats() if r.function == "Block"]
-    assert row.calls == 3
+    assert states(model) == [("graphed", 3, 1, 2)]
+    assert model.calls == 2 + 5
 
 
 def global_state():
@@ -137,28 +156,46 @@ def global_state():
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cpu"),
-        getattr(_region._thread, "stack", []),
-        getattr(_region._thread, "depth", 0),
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing(),
+        list(getattr(_scope._thread, "regions", [])),    # a copy: the stack is mutated
+        getattr(_scope._thread, "depth", 0),
     )
 
 
-def test_leaving_a_region_leaves_no_trace_even_on_exception():
+class Failing(Block):
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise KeyError("boom")
+        return super().forward(x)
+
+
+def test_leaving_a_region_leaves_no_trace_even_on_exception(device):
     before = global_state()
-    model = Block()
+    model = Failing().to(device)
     with torch.no_grad(), autograph.region():
-        model(torch.randn(2, 4))
+        for _ in range(3):                   # a warmup, a capture and a replay inside
+            model(torch.randn(2, 4, device=device))
         assert torch.nn.Module.__call__ is not before[0]
+    assert states(model) == [("graphed", 3, 1, 2)]
     assert global_state() == before
+    other = Failing().to(device)
     with pytest.raises(KeyError):
         with torch.no_grad(), autograph.region(), autograph.region(warmup=2):
-            model(torch.randn(2, 4))
-            raise KeyError("boom")
+            for _ in range(2):
+                other(torch.randn(2, 4, device=device))
+            other.fail = True                # raised from inside the capture
+            other(torch.randn(2, 4, device=device))
+    assert other.calls == 2 and states(other) == [("warmup", 3, 2, 0)]
     assert global_state() == before
 
 
-def test_graphs_are_kept_for_the_next_region_and_released_with_the_module():
-    model = Block()
-    x = torch.randn(2, 4)
+def test_graphs_are_kept_for_the_next_region_and_released_with_the_module(device):
+    model = Block().to(device)
+    x = torch.randn(2, 4, device=device)
     with torch.no_grad():
         with autograph.region():
             for _ in range(3):
@@ -167,46 +204,70 @@ def test_graphs_are_kept_for_the_next_region_and_released_with_the_module():
             model(x)
     assert model.calls == 2
     assert (second.stats().captures, second.stats().replays) == (0, 1)
+    assert states(model) == [("graphed", 4, 1, 3)]
+    row, = autograph.stats(model)
+    engine = _region.engine_of(model)
+    engine_ref = weakref.ref(engine)
+    graph_ref = weakref.ref(next(iter(engine.cache.entries.values())).graph)
     ref = weakref.ref(model)
-    del model
+    del model, engine
     gc.collect()
-    assert ref() is None
-    assert not [r for r in autograph.stats() if r.function == "Block"]
+    assert ref() is None and engine_ref() is None and graph_ref() is None
+    assert all(r.function != row.function for r in autograph.stats())
+    assert second.stats().keys == []
 
 
-def test_graphs_captured_in_one_region_share_one_pool():
-    a, b = Block(), Block()
+def test_graphs_captured_in_one_region_share_one_pool(device):
+    a, b = Block().to(device), Block().to(device)
     with torch.no_grad(), autograph.region() as region:
         for _ in range(3):
-            a(torch.randn(2, 4)), b(torch.randn(3, 4))
-    graphs = [e.graph for e in region._touched.values()]
-    assert len(graphs) == 2 and all(g.pool is region.pools[-1] for g in graphs)
+            b(a(torch.randn(2, 4, device=device))), b(torch.randn(3, 4, device=device))
+    assert sorted(states(region)) == [("graphed", 3, 1, 2)] * 3
+    entries = list(region._touched.values())
+    backend = entries[0].backend
+    pool = region.pools.get(backend, entries[0].device)
+    assert len(entries) == 3 and all(e.graph.pool is pool for e in entries)
+    if device == "cuda":
+        assert pool.handle is not None
+    # outside a region, each graphed module has a pool of its own
+    c, d = autograph.graphed(Block().to(device)), autograph.graphed(Block().to(device))
+    with torch.no_grad():
+        for _ in range(3):
+            c(torch.randn(2, 4, device=device)), d(torch.randn(2, 4, device=device))
+    own = [next(iter(m.forward._self_engine.cache.entries.values())).graph.pool for m in (c, d)]
+    assert own[0] is not own[1] and pool not in own
 
 
-def test_a_training_loop_in_a_region_trains_as_in_eager(caught):
+def test_a_training_loop_in_a_region_trains_as_in_eager(device, caught):
     def train(use_region):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
-                                    torch.nn.Linear(16, 1))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 1)).to(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         loss_fn = torch.nn.MSELoss()
-        data = torch.randn(32, 8)
+        data = torch.randn(64, 8, device=device)
         target = data.sum(-1, keepdim=True)
-        losses = []
-        with (autograph.region() if use_region else torch.enable_grad()):
-            for _ in range(20):
+        losses, evaluations = [], []
+        with (autograph.region() if use_region else contextlib.nullcontext()):
+            for _ in range(30):
                 optimizer.zero_grad()
                 loss = loss_fn(model(data), target)
                 loss.backward()
                 optimizer.step()
                 losses.append(loss.item())
-        return losses
+            with torch.no_grad():          # evaluation inside the region is graphed
+                for _ in range(3):
+                    evaluations.append(model(data))
+        return losses, evaluations, model, loss_fn
 
-    eager, graphed = train(False), train(True)
-    assert graphed == eager and graphed[-1] < graphed[0] / 2
-    messages = autograph_warnings(caught)
-    assert len(messages) == 2  # the model and the loss module, once each
-    assert all("its outputs need gradients" in m for m in messages)
+    eager_losses, eager_evaluations, _, _ = train(False)
+    losses, evaluations, model, loss_fn = train(True)
+    assert losses == eager_losses and losses[-1] < losses[0] / 4
+    assert all(torch.equal(a, b) for a, b in zip(evaluations, eager_evaluations))
+    # training: forward and backward graphed per module; evaluation: graphed too
+    assert states(model) == [("graphed", 30, 1, 29), ("graphed", 3, 1, 2)]
+    assert states(loss_fn) == [("graphed", 30, 1, 29)]
+    assert autograph_warnings(caught) == []
 
 
 def test_unknown_region_option_is_an_error():

@@ -1,0 +1,162 @@
+"""Buckets (SPEC 4): a call of size B replays the graph of the smallest capture size >= B,
+its inputs padded, its outputs sliced back.
+
+>>> rule = BucketRule(buckets=(1, 2, 4, 8), explicit=None)
+>>> padding, reason = rule.padding(names, args, kwargs, tensors, addressed)
+>>> padding.rows, padding.bucket, padding.dims       # 3 real rows replay the graph of 4
+(3, 4, ((0, 0), None))
+
+By default the call's size is dim 0 of its first tensor, and every tensor whose dim 0 has that
+size is padded with zeros; ``bucket_args={"ids": 0, "mask": (0, pad)}`` names the arguments,
+dims and pad values instead. Outputs whose dim (that of the first padded tensor) has the
+bucket's size are sliced back to the call's size. The result is cached per call key, so a
+call pays for this once per distinct shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._keys import flatten_arguments
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """How one call shape maps onto its bucket's graph."""
+
+    rows: int  # the call's size
+    bucket: int  # the capture size it replays
+    dims: Tuple[Optional[Tuple[int, Any]], ...]  # per tensor: (dim, pad value), or None
+    out_dim: int  # outputs with this dim of the bucket's size are sliced back
+
+    def padded_shape(self, tensor: Tensor, index: int) -> torch.Size:
+        spec = self.dims[index]
+        if spec is None:
+            return tensor.shape
+        shape = list(tensor.shape)
+        shape[spec[0]] = self.bucket
+        return torch.Size(shape)
+
+
+class BucketRule:
+    """The capture sizes of one function and how to find a call's size."""
+
+    def __init__(self, buckets: Tuple[int, ...], explicit: Optional[Tuple[Tuple[str, int, Any],
+                                                                        ...]]):
+        self.buckets = buckets
+        self.explicit = {name: (dim, pad) for name, dim, pad in explicit} if explicit else None
+
+    def padding(self, names: Sequence[str], args: tuple, kwargs: dict,
+                tensors: Sequence[Tensor], addressed: Sequence[int]
+                ) -> Tuple[Optional[Padding], Optional[str]]:
+        """(how to pad this call, None), or (None, why it runs eagerly)."""
+        specs = self._specs(names, args, kwargs, tensors, addressed)
+        if isinstance(specs, str):
+            return None, specs
+        first = next((i for i, s in enumerate(specs) if s is not None), None)
+        if first is None:
+            return None, "it has no tensor to pad to a bucket"
+        dim = specs[first][0]
+        rows = tensors[first].shape[dim]
+        for i, spec in enumerate(specs):
+            if spec is not None and tensors[i].shape[spec[0]] != rows:
+                return None, (f"its padded arguments disagree on the size: {rows} and "
+                              f"{tensors[i].shape[spec[0]]}; name them in bucket_args")
+        bucket = next((size for size in self.buckets if size >= rows), None)
+        if bucket is None:
+            return None, (f"its size {rows} is above the largest of buckets={list(self.buckets)}"
+                          f"; add a larger bucket to graph it")
+        return Padding(rows, bucket, tuple(specs), dim), None
+
+    def _specs(self, names: Sequence[str], args: tuple, kwargs: dict,
+               tensors: Sequence[Tensor], addressed: Sequence[int]
+               ) -> Any:
+        skipped = set(addressed)
+        if self.explicit is None:
+            first = next((t for i, t in enumerate(tensors) if i not in skipped and t.dim()), None)
+            if first is None:
+                return [None] * len(tensors)
+            rows = first.shape[0]
+            return [(0, 0) if i not in skipped and t.dim() and t.shape[0] == rows else None
+                    for i, t in enumerate(tensors)]
+        owners = _tensor_owners(names, args, kwargs)
+        unknown = sorted(set(self.explicit) - set(owners) - set(names) - set(kwargs))
+        if unknown:
+            return f"bucket_args names {unknown}, which are not its arguments"
+        specs: List[Optional[Tuple[int, Any]]] = []
+        for i, owner in enumerate(owners):
+            spec = self.explicit.get(owner) if i not in skipped else None
+            if spec is not None and not -tensors[i].dim() <= spec[0] < tensors[i].dim():
+                return (f"bucket_args[{owner!r}] pads dim {spec[0]}, but {owner} has "
+                        f"{tensors[i].dim()} dims")
+            specs.append(None if spec is None else (spec[0] % tensors[i].dim(), spec[1]))
+        return specs
+
+
+def _tensor_owners(names: Sequence[str], args: tuple, kwargs: dict) -> List[str]:
+    """The name of the top-level argument each tensor of the call belongs to, in key order."""
+    owners: List[str] = []
+    for i, a in enumerate(args):
+        name = names[i] if i < len(names) else f"args[{i}]"
+        owners += [name] * sum(isinstance(leaf, Tensor) for leaf in flatten_arguments(a)[0])
+    for k, v in kwargs.items():
+        owners += [k] * sum(isinstance(leaf, Tensor) for leaf in flatten_arguments(v)[0])
+    return owners
+
+
+def padded_key(key: Any, padding: Padding) -> Any:
+    """The key of the bucket's graph: ``key`` with each padded tensor at the bucket's size."""
+    counter = [0]
+
+    def walk(node: Any) -> Any:
+        if type(node) is tuple:
+            if len(node) == 5 and type(node[0]) is torch.Size:  # a tensor's meta
+                index = counter[0]
+                counter[0] += 1
+                spec = padding.dims[index] if index < len(padding.dims) else None
+                if spec is None:
+                    return node
+                shape = list(node[0])
+                shape[spec[0]] = padding.bucket
+                size = torch.Size(shape)
+                return (size, _contiguous_strides(size), *node[2:])
+            if len(node) == 3 and node[0] == "address":
+                counter[0] += 1
+                return node
+            return tuple(walk(child) for child in node)
+        return node
+
+    # The padded tensors are part of the key: with the default rule a tensor whose dim 0
+    # happens to equal the call's size is padded too, and a graph serves one such choice.
+    return ("bucket", padding.bucket, padding.dims, walk(key))
+
+
+def _contiguous_strides(size: torch.Size) -> Tuple[int, ...]:
+    strides, running = [], 1
+    for n in reversed(size):
+        strides.append(running)
+        running *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def resized_examples(tensors: Sequence[Tensor], padding: Padding, size: int
+                     ) -> Dict[int, Tensor]:
+    """Example tensors of ``size`` rows made from a call's (for ``capture()``): the first
+    rows, or all of them padded with the pad value."""
+    made: Dict[int, Tensor] = {}
+    for i, spec in enumerate(padding.dims):
+        if spec is None:
+            continue
+        dim, pad = spec
+        t = tensors[i]
+        if size <= t.shape[dim]:
+            made[i] = t.narrow(dim, 0, size).clone()
+        else:
+            shape = list(t.shape)
+            shape[dim] = size - t.shape[dim]
+            made[i] = torch.cat([t, t.new_full(shape, pad)], dim)
+    return made

@@ -1,0 +1,129 @@
+"""One key's life (its phase, counters and graph) and the bounded cache of keys.
+
+>>> cache = KeyCache("step")
+>>> entry = cache.add(key, Entry("x: f32[8] cuda:0", options, CUDA, 0), identities)
+>>> entry.phase
+'warmup'
+
+Phases: ``warmup`` (eager calls, the last one watched), ``capture`` (the next call records
+the graph), ``graphed`` (calls replay), ``eager`` (every call runs eagerly, for the reason
+said). A cache holds at most ``max_keys`` keys: past that, the oldest keys without a graph are
+forgotten (keys with graphs are bounded by ``max_graphs``). Objects a key refers to by
+identity are held weakly where Python allows: when one dies, its keys are forgotten, so a
+new object that reuses its ``id`` can never meet a graph made for the old one.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Dict, List, Optional
+
+from ._config import Options
+from ._pool import Pools
+from ._stats import KeyStats
+
+WARMUP, CAPTURE, GRAPHED, EAGER = "warmup", "capture", "graphed", "eager"
+
+
+class Entry:
+    """One key of one cache."""
+
+    __slots__ = ("label", "parts", "options", "backend", "device", "phase", "calls",
+                 "eager_calls", "replays", "warmups", "recaptures", "reason", "strict_error",
+                 "graph", "written", "uses_cudnn", "strong_identities", "bucket", "sizes",
+                 "trains", "verify_left", "verified", "__weakref__")
+
+    def __init__(self, label: str, parts: List[str], options: Options, backend: Any,
+                 device: int, bucket: Optional[int] = None):
+        self.label = label
+        self.parts = parts  # the label's pieces, to say what differs between two keys
+        self.options = options
+        self.backend = backend
+        self.device = device
+        self.phase = WARMUP
+        self.calls = self.eager_calls = self.replays = self.warmups = self.recaptures = 0
+        self.reason: Optional[str] = None
+        self.strict_error: Optional[str] = None  # raised on every call under strict=True
+        self.graph: Any = None
+        self.written: List[int] = []  # arguments the warmup wrote to
+        self.uses_cudnn = False  # seen at warmup: the capture thread needs a cuDNN handle
+        self.strong_identities: list = []  # identity-keyed objects that have no weakref
+        self.bucket = bucket  # the capture size, for a bucketed key
+        self.trains = False  # its outputs need gradients: forward and backward are graphed
+        self.sizes: Dict[int, int] = {}  # a bucket's calls by their real size
+        # Verify mode: replays still to check against an eager run, set at each capture (the
+        # replay path tests this one attribute); replays found to match.
+        self.verify_left = self.verified = 0
+
+    def stats(self, function: str) -> KeyStats:
+        graph = self.graph
+        return KeyStats(
+            function=function, key=self.label,
+            state=WARMUP if self.phase == CAPTURE else self.phase,
+            calls=self.calls, eager_calls=self.eager_calls, replays=self.replays,
+            capture_seconds=graph.capture_seconds if graph else None,
+            graph_bytes=graph.memory_bytes if graph else 0,
+            fallback_reason=self.reason, bucket=self.bucket, sizes=dict(self.sizes) or None,
+            verified=self.verified)
+
+
+class KeyCache:
+    """The keys of one graphed function, or of one instance for a graphed method."""
+
+    def __init__(self, name: str, max_keys: int = 256):
+        self.name = name
+        self.max_keys = max_keys
+        self.entries: Dict[Any, Entry] = {}
+        # Bucketed functions: call key -> (entry key, padding, reason to run eagerly).
+        self.routes: Dict[Any, Any] = {}
+        self.lock = threading.RLock()
+        self.pools = Pools()
+        self.said: set = set()  # notices given once per cache
+        self._dead_keys: List[Any] = []
+
+    def add(self, key: Any, entry: Entry, identities: list) -> Entry:
+        self._forget_dead()
+        for obj in identities:
+            try:
+                weakref.finalize(obj, self._dead_keys.append, key)
+            except TypeError:
+                entry.strong_identities.append(obj)
+        self.entries[key] = entry
+        if len(self.entries) > self.max_keys:
+            self._evict()
+        return entry
+
+    def graphs(self) -> int:
+        return sum(e.graph is not None for e in self.entries.values())
+
+    def _evict(self) -> None:
+        # Oldest first (dicts keep insertion order); keys with a graph stay.
+        for key in [k for k, e in self.entries.items() if e.graph is None]:
+            if len(self.entries) <= self.max_keys:
+                break
+            del self.entries[key]
+
+    def _forget_dead(self) -> None:
+        while self._dead_keys:
+            entry = self.entries.pop(self._dead_keys.pop(), None)
+            if entry is not None and entry.graph is not None:
+                entry.graph.release()
+
+    def stats(self) -> List[KeyStats]:
+        with self.lock:
+            self._forget_dead()
+            return [entry.stats(self.name) for entry in self.entries.values()]
+
+    def release(self) -> List[int]:
+        """Drop every key and graph; return the devices whose graphs were freed."""
+        with self.lock:
+            devices = {e.device for e in self.entries.values() if e.graph is not None}
+            for entry in self.entries.values():
+                if entry.graph is not None:
+                    entry.graph.release()
+            self.entries.clear()
+            self.routes.clear()
+            self.pools.clear()
+            self.said.clear()
+            self._dead_keys.clear()
+            return sorted(devices)

@@ -1,0 +1,300 @@
+"""How arguments get into a graph and how its outputs come back to the caller.
+
+>>> inputs = InputPlan(tensors)                 # static copies, strides as the key says
+>>> inputs.copy_in(new_tensors); graph.replay(); inputs.copy_back(new_tensors)
+>>> outputs = OutputPlan(result, inputs.statics, "copy", "step(x: f32[8] cuda:0)", pool)
+>>> outputs.produce(new_tensors)                # the caller's return value
+
+Inputs: ``empty_strided`` copies of the arguments. All arguments are copied in with one
+``torch._foreach_copy_``, skipping any that already is its static tensor; stride-0
+(expanded) arguments are copied through narrowed views. Arguments the function wrote to are
+copied back to the caller's tensors after each replay (SPEC 2.7).
+
+Outputs: those that are, or view, an argument are rebuilt on the caller's tensor; others are
+cloned (``outputs="copy"``), or handed out as fresh aliases of the graph's buffers
+(``outputs="static"``). An alias does not own its memory: the pool poisons it before the next
+replay of any of its graphs, and the plan poisons it when the graph is released, so reading it
+then raises instead of showing another call's data or freed memory (SPEC 2.5).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._config import logger
+from ._keys import flatten_arguments, flatten_output
+
+Tensor = torch.Tensor
+
+# torch >= 2.6 CUDA builds can poison a storage, which reaches every view of it.
+_CAN_POISON = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg")
+
+
+def _expanded_dims(t: Tensor) -> Tuple[int, ...]:
+    return tuple(d for d in range(t.dim()) if t.stride(d) == 0 and t.size(d) > 1)
+
+
+def _narrow_expanded(t: Tensor, dims: Tuple[int, ...]) -> Tensor:
+    for d in dims:
+        t = t.narrow(d, 0, 1)
+    return t
+
+
+def copy_all(dst: List[Tensor], src: List[Tensor]) -> None:
+    if len(dst) == 1:
+        dst[0].copy_(src[0])
+    elif dst:
+        torch._foreach_copy_(dst, src)
+
+
+def storage_ptr(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class InputPlan:
+    """The static tensors that stand in for a key's tensor arguments.
+
+    ``padding`` (buckets) makes the padded arguments' statics the bucket's size; each call
+    copies its rows in and the pad value into the rest. ``addressed`` arguments
+    (``static_argnames``) are their own statics: used by address, never copied.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor], padding: Any = None,
+                 addressed: Sequence[int] = ()):
+        self.padding = padding
+        self.addressed = set(addressed)
+        expanded = [() if padding is not None and padding.dims[i] is not None
+                    else _expanded_dims(t) for i, t in enumerate(tensors)]
+        self.expanded = expanded if any(expanded) else None
+        # Normal tensors even under inference_mode: their version counters reveal the
+        # arguments the function writes to (inference tensors have none).
+        with torch.inference_mode(False):
+            self.statics = [t if i in self.addressed else self._static_for(t, i)
+                            for i, t in enumerate(tensors)]
+            self.templates = {} if padding is None else {
+                i: torch.full_like(self.statics[i], spec[1])
+                for i, spec in enumerate(padding.dims) if spec is not None}
+        self._recipes: Dict[int, Tuple[List[Tensor], List[Any], List[Tuple[int, int]]]] = {}
+        self.mutated: List[int] = []
+        if padding is not None:
+            self.copy_in(tensors, padding.rows)
+        elif self.expanded is None:
+            copy_all(self.statics, list(tensors))
+        else:
+            copy_all([_narrow_expanded(s, d) for s, d in zip(self.statics, expanded)],
+                     [_narrow_expanded(t, d) for t, d in zip(tensors, expanded)])
+
+    def _static_for(self, t: Tensor, index: int) -> Tensor:
+        if self.padding is not None and self.padding.dims[index] is not None:
+            return torch.empty(self.padding.padded_shape(t, index), dtype=t.dtype,
+                               device=t.device)
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+
+    def substitute(self, args: tuple, kwargs: dict) -> Tuple[tuple, dict, list]:
+        """The call's arguments with every tensor replaced by its static tensor, and the
+        other objects it was given (caches, configs: passed on as themselves)."""
+        leaves, rebuild = flatten_arguments((args, kwargs))
+        statics = iter(self.statics)
+        static_args, static_kwargs = rebuild(
+            [next(statics) if isinstance(leaf, Tensor) else leaf for leaf in leaves])
+        return static_args, static_kwargs, [leaf for leaf in leaves
+                                            if not isinstance(leaf, Tensor)]
+
+    def versions(self) -> List[int]:
+        return [-1 if i in self.addressed else s._version for i, s in enumerate(self.statics)]
+
+    def note_writes(self, before: List[int]) -> None:
+        self.mutated = [i for i, s in enumerate(self.statics)
+                        if i not in self.addressed and s._version != before[i]]
+
+    def copy_in(self, tensors: Sequence[Tensor], rows: Optional[int] = None) -> None:
+        if rows is not None:
+            self._copy_rows_in(tensors, rows)
+            return
+        statics = self.statics
+        if self.expanded is None:
+            dst, src = [], []
+            for static, t in zip(statics, tensors):
+                if t.data_ptr() != static.data_ptr():
+                    dst.append(static)
+                    src.append(t)
+        else:
+            dst = [_narrow_expanded(s, d) for s, d in zip(statics, self.expanded)]
+            src = [_narrow_expanded(t, d) for t, d in zip(tensors, self.expanded)]
+        copy_all(dst, src)
+
+    def _copy_rows_in(self, tensors: Sequence[Tensor], rows: int) -> None:
+        recipe = self._recipes.get(rows)
+        if recipe is None:
+            recipe = self._recipes[rows] = self._recipe(rows)
+        dst, fixed, sources = recipe
+        src = list(fixed)
+        for position, index in sources:
+            src[position] = tensors[index]
+        copy_all(dst, src)
+
+    def _recipe(self, rows: int) -> Tuple[List[Tensor], List[Any], List[Tuple[int, int]]]:
+        """For calls of ``rows`` rows: the destinations, the fixed sources (pad rows) and
+        where each argument goes, so that a call builds one ``_foreach_copy_``."""
+        dst: List[Tensor] = []
+        fixed: List[Any] = []
+        sources: List[Tuple[int, int]] = []
+        for i, static in enumerate(self.statics):
+            if i in self.addressed:
+                continue
+            spec = self.padding.dims[i]
+            if spec is None:
+                sources.append((len(dst), i))
+                dst.append(static)
+                fixed.append(None)
+                continue
+            dim = spec[0]
+            sources.append((len(dst), i))
+            dst.append(static.narrow(dim, 0, rows))
+            fixed.append(None)
+            if rows < static.shape[dim]:
+                dst.append(static.narrow(dim, rows, static.shape[dim] - rows))
+                fixed.append(self.templates[i].narrow(dim, rows, static.shape[dim] - rows))
+        return dst, fixed, sources
+
+    def copy_back(self, tensors: Sequence[Tensor], rows: Optional[int] = None) -> None:
+        pairs = []
+        for i in self.mutated:
+            static = self.statics[i]
+            if rows is not None and self.padding.dims[i] is not None:
+                static = static.narrow(self.padding.dims[i][0], 0, rows)
+            if tensors[i].data_ptr() != static.data_ptr():
+                pairs.append((tensors[i], static))
+        copy_all([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+def _real_rows(output: Tensor, padding: Any) -> Tensor:
+    """A bucket's output sliced back to the call's rows, where it has the bucket's size."""
+    dim = padding.out_dim
+    if output.dim() > dim and output.shape[dim] == padding.bucket:
+        return output.narrow(dim, 0, padding.rows)
+    return output
+
+
+def _poison(storages: List[Any], message: str) -> None:
+    for storage in storages:
+        torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
+    storages.clear()
+
+
+class OutputPlan:
+    """How to turn the graph's outputs into this call's return value."""
+
+    def __init__(self, result: Any, statics: Sequence[Tensor], policy: str, label: str,
+                 pool: Any = None, given: Sequence[Any] = ()):
+        leaves, self.rebuild = flatten_output(result, given)
+        input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
+        self.plan: List[Tuple] = []
+        self.owned: List[Tensor] = []
+        storages = set()
+        self.shared = False
+        for leaf in leaves:
+            if not isinstance(leaf, Tensor):
+                self.plan.append(("const", leaf))
+                continue
+            index = next((i for i, s in enumerate(statics) if leaf is s), None)
+            if index is not None:
+                self.plan.append(("arg", index))
+            elif leaf.numel() and storage_ptr(leaf) in input_storages:
+                i = input_storages[storage_ptr(leaf)]
+                offset = leaf.storage_offset() - statics[i].storage_offset()
+                self.plan.append(("view", i, leaf.size(), leaf.stride(), offset))
+            else:
+                self.plan.append(("own", len(self.owned)))
+                self.shared |= leaf.numel() > 0 and storage_ptr(leaf) in storages
+                storages.add(storage_ptr(leaf))
+                self.owned.append(leaf)
+        self.only_owned = all(p[0] == "own" for p in self.plan)
+        self.static = (policy == "static" and _CAN_POISON and bool(self.owned)
+                       and self.owned[0].is_cuda)
+        if policy == "static" and self.owned and not self.static:
+            logger.info("%s: outputs='static' needs a CUDA build of torch >= 2.6 to protect "
+                        "stale outputs; returning copies instead", label)
+        self.pool = pool
+        self.overwritten_message = (
+            f"autograph: this output of {label} was overwritten by a later call: with "
+            f"outputs='static', graphs of one function (or one region) reuse their buffers. "
+            f"Clone it before the next call, or use outputs='copy'."
+        )
+        self.handed_out: List[Any] = []
+        if self.static:
+            self.released_message = (
+                f"autograph: this output of {label} belonged to a graph that was released "
+                f"(reset(), or its function or module was deleted), and with "
+                f"outputs='static' an output lives in the graph's memory. Clone it before "
+                f"releasing the graph, or use outputs='copy'."
+            )
+            # Aliases do not own their memory: poison them before this plan (and the graph's
+            # buffers) goes away, even without reset().
+            weakref.finalize(self, _poison, self.handed_out, self.released_message)
+
+    def _on_new_storages(self, make: Callable[[Any, Tensor], Any]) -> List[Tensor]:
+        """The owned outputs rebuilt on new storages, one per storage they share."""
+        made: Dict[int, Any] = {}
+        outputs = []
+        for o in self.owned:
+            storage = o.untyped_storage()
+            target = made.get(storage.data_ptr())
+            if target is None:
+                target = made[storage.data_ptr()] = make(storage, o)
+            outputs.append(torch.empty(0, dtype=o.dtype, device=o.device)
+                           .set_(target, o.storage_offset(), o.size(), o.stride()))
+        return outputs
+
+    def _copies(self) -> List[Tensor]:
+        if not self.shared:
+            return [o.clone() for o in self.owned]
+        return self._on_new_storages(lambda storage, o: torch.empty(
+            0, dtype=torch.uint8, device=o.device).set_(storage).clone().untyped_storage())
+
+    def _aliases(self) -> List[Tensor]:
+        if self.pool is not None:
+            self.pool.static_plans.add(self)
+        return self._on_new_storages(self._alias_storage)
+
+    def _alias_storage(self, storage: Any, output: Tensor) -> Any:
+        alias = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), output.device, storage.nbytes())
+        self.handed_out.append(alias)
+        return alias
+
+    def poison(self) -> None:
+        """Make the aliases handed out so far raise when read: their buffers are reused."""
+        _poison(self.handed_out, self.overwritten_message)
+
+    def release(self) -> None:
+        """Make the aliases handed out so far raise when read: the graph is going away."""
+        if self.static:
+            _poison(self.handed_out, self.released_message)
+
+    def produce(self, tensors: Sequence[Tensor], padding: Any = None) -> Any:
+        if padding is None or padding.rows == padding.bucket:
+            owned = self._aliases() if self.static else self._copies()
+        elif self.static or self.shared:
+            owned = [_real_rows(o, padding) for o in
+                     (self._aliases() if self.static else self._copies())]
+        else:  # only the real rows are copied
+            owned = [_real_rows(o, padding).clone() for o in self.owned]
+        if self.only_owned:
+            return self.rebuild(owned)
+        values = []
+        for entry in self.plan:
+            kind = entry[0]
+            if kind == "own":
+                values.append(owned[entry[1]])
+            elif kind == "arg":
+                values.append(tensors[entry[1]])
+            elif kind == "view":
+                _, i, size, stride, offset = entry
+                values.append(tensors[i].as_strided(size, stride,
+                                                    tensors[i].storage_offset() + offset))
+            else:
+                values.append(entry[1])
+        return self.rebuild(values)

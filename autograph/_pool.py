@@ -1,0 +1,88 @@
+"""One owner per memory pool: its device, the static outputs handed out of it, stream order.
+
+>>> pools = Pools()
+>>> pool = pools.get(CUDA, device=0)      # created on first use, one per device
+>>> pool.before_replay()                  # order after the last replay; stale outputs raise
+
+Graphs of one function (per instance, for methods) or of one region share a pool: a graph
+captured later may reuse blocks that an earlier graph used as scratch. Two consequences live
+here, because only the pool sees every graph in it:
+- a static output handed out by one graph can be overwritten by the replay of *another*
+  graph of the pool, so every replay poisons every static output handed out before it;
+- one graph's memory must not be used by two streams at once, so a replay on a new stream
+  first waits for the stream of the previous replay in the pool.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+class Pool:
+    """The memory pool of one owner on one device."""
+
+    def __init__(self, backend: Any, device: int):
+        self.backend = backend
+        self.device = device
+        self.handle = backend.new_pool(device)
+        self.graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the live graphs in it
+        # Output plans that handed out static aliases, held weakly: a plan dies with its
+        # graph, which poisons its own aliases then.
+        self.static_plans: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.last_stream: Any = None
+        self.last_raw_stream: Optional[int] = None
+
+    def handle_for_capture(self) -> Any:
+        """The pool handle a new capture goes into.
+
+        Once no graph of a pool is alive, torch may keep the pool's bookkeeping with a use
+        count of zero until its blocks are freed, and a capture into it then fails an
+        internal assertion (seen on torch 2.11 after a capture that the user's own exception
+        ended): such a pool is left to be freed, and captures go to a new one.
+        """
+        if not self.graphs:
+            self.handle = self.backend.new_pool(self.device)
+        return self.handle
+
+    def before_replay(self) -> None:
+        """Run before every replay (the capture call's included) of a graph of this pool."""
+        if self.static_plans:
+            for plan in list(self.static_plans):
+                plan.poison()
+        if self.backend.device_type == "cuda":
+            self._order_after_last_stream()
+
+    def _order_after_last_stream(self) -> None:
+        raw = torch._C._cuda_getCurrentRawStream(self.device)
+        if raw != self.last_raw_stream:
+            current = torch.cuda.current_stream(self.device)
+            if self.last_stream is not None:
+                current.wait_stream(self.last_stream)
+            self.last_stream, self.last_raw_stream = current, raw
+
+
+class Pools:
+    """The pools of one owner (a graphed function, a graphed instance or a region)."""
+
+    def __init__(self) -> None:
+        self._pools: Dict[int, Pool] = {}
+        self._lock = threading.Lock()
+
+    def get(self, backend: Any, device: int) -> Pool:
+        pool = self._pools.get(device)
+        if pool is None:
+            with self._lock:
+                pool = self._pools.get(device)
+                if pool is None:
+                    pool = self._pools[device] = Pool(backend, device)
+        return pool
+
+    def devices(self) -> List[int]:
+        return list(self._pools)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pools.clear()

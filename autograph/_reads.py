@@ -1,0 +1,283 @@
+"""State read by address (SPEC 2.8): which tensors a graph reads that are not its arguments,
+their names, and a watch that notices when one of them is freed or rebound.
+
+>>> with CallWatch(statics) as watch:       # during capture: sees every op's tensors
+...     outputs = step(*statics)
+>>> survey = Survey([("self", model), ("past_key_values", cache)])   # before capture
+>>> graph.watch = ReadWatch(graph, watch.external, survey)          # after the first replay
+>>> graph.invalid_reason                     # None, or the name of a tensor freed since
+
+A CUDA graph reads every tensor that is not one of its static inputs (parameters, buffers,
+closures, the tensors inside a cache object) at the address it had during capture. If such a
+tensor's memory is freed (a cache that grows by ``torch.cat`` rebinds its tensors; ``model.to()``
+swaps every parameter's storage), a replay would read freed memory. The watch holds each such
+storage weakly, with a callback: the callback marks the graph invalid the moment the storage
+dies, so the check before a replay is one attribute read. Storages stay alive (and replays
+stay right) while anything still holds them; a tensor rebound while its old storage stays alive
+elsewhere is not seen (README, Limits).
+"""
+from __future__ import annotations
+
+import functools
+import types
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._keys import describe_tensor
+
+Tensor = torch.Tensor
+
+
+def _storage_ptr(t: Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse, nested or fake tensors
+        return 0
+
+
+def _tensors_in(values: Iterable[Any]) -> Iterable[Tensor]:
+    for v in values:
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors_in(v)
+
+
+_aten = torch.ops.aten
+# In training mode these update running_mean and running_var in place, although their schemas
+# do not mark them as written (those of _native_batch_norm_legit and _batch_norm_with_update do).
+_UPDATES_RUNNING_STATS = {_aten.native_batch_norm, _aten.cudnn_batch_norm,
+                          _aten.miopen_batch_norm}
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[Tensor]:
+    """The tensors an ATen op writes to: those its schema marks written, and hidden writes.
+
+    >>> written_tensors(torch.ops.aten.add_.Tensor, (x, y), {})
+    [x]
+    """
+    schema_arguments = func._schema.arguments
+    values = {argument.name: args[i] if i < len(args) else kwargs.get(argument.name)
+              for i, argument in enumerate(schema_arguments)}
+    names = [argument.name for argument in schema_arguments
+             if argument.alias_info is not None and argument.alias_info.is_write]
+    if func.overloadpacket in _UPDATES_RUNNING_STATS and values.get("training"):
+        names += ["running_mean", "running_var"]
+    return list(_tensors_in(values[name] for name in names))
+
+
+class CallWatch(TorchDispatchMode):
+    """Record, for one run of a function, the storages it wrote and the tensors it read that
+    it neither received (``statics``) nor created."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch >= 2.9: without it Dynamo skips every frame run under this mode (torch <=
+        # 2.13: for good); with it, compiled code compiles and runs under the mode.
+        return True
+
+    def __init__(self, statics: Sequence[Tensor] = ()):
+        super().__init__()
+        self.known = {_storage_ptr(t) for t in statics} | {0}
+        self.written: Set[int] = set()
+        # Strong references until the caller has replayed once: a tensor the function
+        # itself rebinds during capture must stay alive for that first replay.
+        self.external: Dict[int, Tensor] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for t in _tensors_in(args):
+            ptr = _storage_ptr(t)
+            if ptr not in self.known:
+                self.external[ptr] = t
+                self.known.add(ptr)
+        for t in _tensors_in(kwargs.values()):
+            ptr = _storage_ptr(t)
+            if ptr not in self.known:
+                self.external[ptr] = t
+                self.known.add(ptr)
+        for t in written_tensors(func, args, kwargs):
+            self.written.add(_storage_ptr(t))
+        out = func(*args, **kwargs)
+        for t in _tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+            self.known.add(_storage_ptr(t))
+        return out
+
+    def written_arguments(self, tensors: Sequence[Tensor]) -> List[int]:
+        """Indices of the arguments whose storage the run wrote to."""
+        return [i for i, t in enumerate(tensors)
+                if t.numel() and _storage_ptr(t) in self.written]
+
+
+def shares_written_memory(tensors: Sequence[Tensor], written: Sequence[int]) -> bool:
+    """Whether an argument the function writes shares memory with another argument.
+
+    Eager code would see such a write through the other argument; separate static copies
+    would not, so such a call must run eagerly.
+    """
+    storages = [_storage_ptr(t) for t in tensors]
+    return any(storages.count(storages[i]) > 1 for i in written if tensors[i].numel())
+
+
+# ---- what a function can reach: names for messages, and leaves whose .grad it may set ----
+
+_MAX_NODES = 50_000
+
+
+class Survey:
+    """The tensors reachable from a call's roots, taken before its capture.
+
+    ``names`` maps storage addresses to the first path that reaches them, e.g.
+    ``past_key_values.layers[0].keys`` or ``self.linear.weight``; ``leaves`` maps the
+    reachable leaves that require grad to their ``.grad`` at that moment.
+    """
+
+    def __init__(self, roots: Sequence[Tuple[str, Any]], depth: int = 6):
+        self.names: Dict[int, str] = {}
+        self.leaves: Dict[int, Tuple[Tensor, Optional[Tensor], str]] = {}
+        self._seen: Set[int] = set()
+        self._budget = _MAX_NODES
+        for path, root in roots:
+            self._visit(path, root, depth)
+
+    def _visit(self, path: str, obj: Any, left: int) -> None:
+        if self._budget <= 0 or id(obj) in self._seen:
+            return
+        self._budget -= 1
+        if isinstance(obj, Tensor):
+            ptr = _storage_ptr(obj)
+            if ptr and ptr not in self.names:
+                self.names[ptr] = path
+            if obj.requires_grad and obj.is_leaf and id(obj) not in self.leaves:
+                self.leaves[id(obj)] = (obj, obj.grad, path)
+            return
+        if left == 0 or isinstance(obj, (str, bytes, int, float, type, type(None),
+                                         types.ModuleType)):
+            return
+        self._seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            for group in (obj._parameters, obj._buffers, obj._modules):
+                for key, value in group.items():
+                    if value is not None:
+                        self._visit(f"{path}.{key}", value, left - 1)
+            children: Iterable[Tuple[str, Any]] = (
+                (f"{path}.{k}", v) for k, v in vars(obj).items() if not k.startswith("_"))
+        elif isinstance(obj, dict):
+            children = ((f"{path}[{k!r}]", v) for k, v in list(obj.items())[:256])
+        elif isinstance(obj, (list, tuple)):
+            children = ((f"{path}[{i}]", v) for i, v in enumerate(obj[:256]))
+        else:
+            attributes = getattr(obj, "__dict__", None)
+            if not isinstance(attributes, dict) or callable(obj):
+                return
+            children = ((f"{path}.{k}", v) for k, v in list(attributes.items())
+                        if not k.startswith("__"))
+        for child_path, child in children:
+            self._visit(child_path, child, left - 1)
+
+    def name(self, tensor: Tensor) -> str:
+        return self.names.get(_storage_ptr(tensor)) or (
+            f"a {describe_tensor(tensor)} tensor that is not an argument")
+
+
+def roots_of(fn: Any, instance: Any, names: Sequence[str], args: tuple, kwargs: dict,
+             instance_label: str = "self") -> List[Tuple[str, Any]]:
+    """Where the tensors a function reads may come from: its instance, its non-tensor
+    arguments, its closure and the globals its code names."""
+    roots: List[Tuple[str, Any]] = []
+    if instance is not None:
+        roots.append((instance_label, instance))
+    for i, a in enumerate(args):
+        roots.append((names[i] if i < len(names) else f"args[{i}]", a))
+    roots.extend(kwargs.items())
+    function = getattr(fn, "__func__", fn)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and owner is not instance:
+        roots.append((instance_label, owner))
+    code = getattr(function, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
+            try:
+                roots.append((name, cell.cell_contents))
+            except ValueError:  # an empty cell
+                pass
+        module_globals = getattr(function, "__globals__", {})
+        roots.extend((name, module_globals[name]) for name in code.co_names
+                     if name in module_globals)
+    return roots
+
+
+def _mark_invalid(graph_ref: "weakref.ref[Any]", name: str, _: Any) -> None:
+    graph = graph_ref()
+    if graph is not None and graph.invalid_reason is None:
+        graph.invalid_reason = name
+
+
+class ReadWatch:
+    """Weak references to the storages a graph reads by address, each with a callback that
+    marks the graph invalid when its storage is freed."""
+
+    def __init__(self, graph: Any, external: Dict[int, Tensor], survey: Survey):
+        graph_ref = weakref.ref(graph)
+        self.refs: List[Any] = [
+            weakref.ref(tensor.untyped_storage(),
+                        functools.partial(_mark_invalid, graph_ref, survey.name(tensor)))
+            for tensor in external.values()]
+
+
+_ANY = object()  # a slot whose graph does not depend on the .grad it finds
+
+
+class GradSlots:
+    """The ``.grad`` of leaves that a graph's backward writes: a graph replays Python's
+    effect on ``.grad`` only as captured (SPEC 2.8 applies to ``.grad`` too).
+
+    Per leaf the capture found one of: it stole a fresh gradient into a ``.grad`` that was
+    None (replays need ``.grad`` None again, then get the graph's buffer bound to it); it
+    set ``.grad`` afresh after clearing it itself (``zero_grad()`` inside the function: any
+    ``.grad`` will do, and the buffer is bound after each replay); or it accumulated into an
+    existing ``.grad`` (replays need that same tensor there).
+    """
+
+    def __init__(self, survey: Survey, written: Set[int]):
+        self.slots: List[Tuple[Any, Any, Any, str]] = []
+        for tensor, before, path in survey.leaves.values():
+            after = tensor.grad
+            if after is before:
+                if before is None or _storage_ptr(before) not in written:
+                    continue  # untouched by the graph
+                expect, bind = weakref.ref(before), _ANY
+            else:
+                expect = None if before is None else _ANY
+                bind = after
+            self.slots.append((weakref.ref(tensor), expect, bind, path))
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+    def mismatch(self) -> Optional[str]:
+        """Why the leaves' ``.grad`` no longer fit the graph, or None."""
+        for tensor_ref, expect, _, path in self.slots:
+            tensor = tensor_ref()
+            if tensor is None:
+                return f"{path} (freed)"
+            grad = tensor.grad
+            if expect is None:
+                if grad is not None:
+                    return (f"{path}.grad, which the graph expects to be None (as at capture) "
+                            f"and found set")
+            elif expect is not _ANY and grad is not expect():
+                return f"{path}.grad, which was {'set to None' if grad is None else 'replaced'}"
+        return None
+
+    def bind(self) -> None:
+        """Give each leaf the ``.grad`` its graph just wrote, as eager execution would."""
+        for tensor_ref, _, bind, _ in self.slots:
+            if bind is not _ANY:
+                tensor = tensor_ref()
+                if tensor is not None and tensor.grad is not bind:
+                    tensor.grad = bind

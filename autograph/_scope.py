@@ -1,0 +1,49 @@
+"""Where this thread is: the regions open in it, and whether a call runs inside a graphed one.
+
+>>> with autograph.region(warmup=2) as outer:
+...     current_region() is outer
+True
+
+Per thread, because regions are: a region opened in one thread never changes what another
+thread's calls do. This module imports nothing of the engine, so both the engine and the
+region can depend on it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, List, Optional
+
+_thread = threading.local()
+
+
+def current_region() -> Optional[Any]:
+    """The innermost region open in this thread, or None."""
+    stack = getattr(_thread, "regions", None)
+    return stack[-1] if stack else None
+
+
+def enter_region(region: Any) -> None:
+    stack: Optional[List[Any]] = getattr(_thread, "regions", None)
+    if stack is None:
+        stack = _thread.regions = []
+    stack.append(region)
+
+
+def leave_region(region: Any) -> None:
+    _thread.regions.remove(region)
+
+
+def inside_a_graphed_call() -> bool:
+    """Whether this thread is running a graphed call's function (its module calls are part
+    of that call, not top-level calls of their own)."""
+    return bool(getattr(_thread, "depth", 0))
+
+
+class nested_calls:
+    """Module calls made inside this block belong to the enclosing graphed call."""
+
+    def __enter__(self) -> None:
+        _thread.depth = getattr(_thread, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _thread.depth -= 1

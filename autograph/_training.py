@@ -1,0 +1,436 @@
+"""Graphed forward and backward for calls whose outputs need gradients (SPEC 9).
+
+>>> graph = TrainingGraph.record(model_forward, (x,), {}, [x], CUDA, 0, pool, "copy",
+...                              "Net(x: f32[32, 512] cuda:0)", roots)
+>>> out = graph.replay([x], copy_in=False)       # an autograd.Function's output
+>>> out.sum().backward()                         # replays the backward graph
+
+Per key, two graphs in the key's pool, tied by the ``autograd.Function`` ``_Replay``:
+- the forward, captured on static inputs (those of arguments that require grad are leaves
+  that require grad) with autograd recording, as ``Graph.record`` captures;
+- the backward: ``torch.autograd.grad`` of the forward's outputs that need grad, with
+  respect to those static inputs and to the leaves the forward read that require grad (a
+  module's parameters, closed-over weights), from static output gradients, captured under
+  the guard like the forward (``make_graphed_callables`` captures its backward the same way).
+A call replays the forward and returns clones of its outputs; their backward copies the
+incoming gradients in (``None`` becomes zeros), replays the backward and returns clones of the
+gradients, which autograd accumulates into ``.grad`` as eager execution would: fresh tensors,
+never the graph's buffers (pytorch issue 181723, fixed likewise in TransformerEngine).
+
+The graph keeps the forward's activations (its saved tensors) in the pool for the graph's
+life, so other graphs of the pool never reuse them; one graph holds one call's activations,
+so a call made while the previous call's backward may still run (two forwards, then one
+backward; ``retain_graph=True``) runs eagerly instead (``busy``). A key whose forward ran a
+backward itself (a whole training step that returns its loss undetached) gets no backward
+graph: it replays as a ``Graph`` does, its outputs detached.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._capture import Capture, _capture_stream
+from ._config import logger
+from ._graph import CaptureFailed, Graph
+from ._guard import (Finding, UnsafeOpDetector, classify_capture_error, location_in_traceback,
+                     location_of_caller)
+from ._plan import InputPlan, OutputPlan, copy_all
+from ._reads import CallWatch, GradSlots, Survey, _tensors_in
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal(Finding):
+    """Why a key cannot get graphed backward, about the call rather than one line.
+
+    >>> Refusal("", "its arguments are padded to a bucket, ...").message()
+    'its arguments are padded to a bucket, ...'
+    """
+
+    def message(self) -> str:
+        return self.consequence
+
+
+def _refused(reason: str) -> CaptureFailed:
+    return CaptureFailed(Refusal("", reason))
+
+
+try:
+    _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    _top_hooks(True)
+except (AttributeError, TypeError):  # older torch: no argument
+    def _user_saved_tensor_hooks() -> bool:
+        return torch._C._autograd._top_saved_tensors_default_hooks() is not None
+else:
+    def _user_saved_tensor_hooks() -> bool:
+        """Whether saved-tensor hooks (checkpoint, ``save_on_cpu``) wrap this call.
+
+        >>> with torch.autograd.graph.save_on_cpu():
+        ...     _user_saved_tensor_hooks()
+        True
+        """
+        return _top_hooks(True) is not None
+
+
+class _ForwardWatch(TorchDispatchMode):
+    """What a forward's ops read that its backward depends on: the leaves that require grad
+    (gradients go to them), the parameters that do not (turning one on later changes what
+    the backward must compute), and whether saved-tensor hooks were active inside it."""
+
+    def __init__(self, statics: Sequence[Tensor]):
+        super().__init__()
+        self.skip = {id(s) for s in statics}
+        self.trained: Dict[int, Tensor] = {}
+        self.frozen: Dict[int, Tensor] = {}
+        self.hooked = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for t in _tensors_in((*args, *kwargs.values())):
+            if id(t) in self.skip or not t.is_leaf:
+                continue
+            if t.requires_grad:
+                self.trained[id(t)] = t
+            elif isinstance(t, torch.nn.Parameter):
+                self.frozen[id(t)] = t
+        if not self.hooked:
+            self.hooked = _user_saved_tensor_hooks()
+        return func(*args, **kwargs)
+
+
+_prepared: Set[Tuple[int, bool]] = set()
+
+
+def _prepare_backward_thread(device: int, cudnn: bool) -> None:
+    """Create the cuBLAS (and cuDNN) handles and workspaces that autograd's thread for this
+    device uses on the capture stream, by running a small backward there.
+
+    >>> _prepare_backward_thread(0, cudnn=False)     # once per device, before its capture
+
+    On CUDA, backward runs in autograd's own thread, on the stream its forward ran on (the
+    capture stream); handles are per thread and creating one inside a capture fails, as
+    ``_capture._create_library_handles`` explains for the calling thread.
+    """
+    if (device, cudnn) in _prepared:
+        return
+    stream = _capture_stream(device)
+    with torch.cuda.device(device):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.enable_grad(), \
+                torch.autocast("cuda", enabled=False):
+            for dtype in (torch.float32, torch.bfloat16):
+                a = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+                out = torch.nn.functional.linear(a, a, a[0]) + a @ a
+                torch.autograd.grad(out.sum(), a)
+            if cudnn and torch.backends.cudnn.is_available():
+                x = torch.ones(1, 1, 8, device=device, requires_grad=True)
+                out = torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
+                torch.autograd.grad(out.sum(), x)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    _prepared.add((device, cudnn))
+
+
+def _capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[Finding]:
+    finding = detector.finding
+    for error in (capture.error, capture.hard_error):
+        if finding is None and error is not None:
+            finding = classify_capture_error(error)
+    if finding is None and capture.hard_error is not None:
+        finding = Finding("the capture", f"failed: {capture.hard_error}")
+    return finding
+
+
+class _Backward:
+    """A key's backward graph and the static tensors around it."""
+
+    def __init__(self, capture: Capture, outputs: List[Tensor], needs: List[bool],
+                 grad_outputs: List[Tensor], trained: List[int], leaves: List[Tensor],
+                 frozen: List[Tensor], survey: Survey):
+        self.graph = capture.graph
+        # The forward's outputs keep its autograd graph, and so its activations, alive: the
+        # pool must not hand their memory to another graph.
+        self.outputs = outputs
+        self.needs = needs  # per output of the Function: whether it needs grad
+        self.grad_outputs = grad_outputs  # static gradients of the outputs that need grad
+        self.results: List[Optional[Tensor]] = list(capture.outputs)
+        self.trained = trained  # the arguments that require grad
+        self.leaves = [(weakref.ref(t), survey.name(t)) for t in leaves]
+        self.frozen = [(weakref.ref(t), survey.name(t)) for t in frozen]
+
+    def changed(self) -> Optional[str]:
+        """Which leaf no longer fits the backward graph (freed, or requires_grad switched)."""
+        for ref, name in self.leaves:
+            leaf = ref()
+            if leaf is None or not leaf.requires_grad:
+                return f"{name} ({'freed' if leaf is None else 'requires_grad turned off'})"
+        for ref, name in self.frozen:
+            leaf = ref()
+            if leaf is not None and leaf.requires_grad:
+                return f"{name} (requires_grad turned on)"
+        return None
+
+    def replay(self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool]
+               ) -> List[Optional[Tensor]]:
+        dst, src = [], []
+        for static, grad in zip(self.grad_outputs,
+                                (g for g, need in zip(grads, self.needs) if need)):
+            if grad is None:
+                static.zero_()
+            elif grad.data_ptr() != static.data_ptr():
+                dst.append(static)
+                src.append(grad)
+        copy_all(dst, src)
+        self.graph.replay()
+        return [None if result is None or not need else result.clone()
+                for result, need in zip(self.results, needed)]
+
+
+class _Replay(torch.autograd.Function):
+    """One call of a training graph: the forward graph's replay, and the backward graph's."""
+
+    @staticmethod
+    def forward(ctx: Any, graph: "TrainingGraph", tensors: Sequence[Tensor], copy_in: bool,
+                *differentiable: Tensor) -> Tuple[Tensor, ...]:
+        ctx.graph = graph
+        ctx.set_materialize_grads(False)
+        # Held only by this call's autograd graph, until its backward ran (without
+        # retain_graph) or the graph was dropped: while it lives, the activations in the
+        # graph's memory are still this call's to use.
+        token = torch.empty(0)
+        ctx.save_for_backward(token)
+        graph.last_call = weakref.ref(token)
+        outputs = graph.replay_forward(tensors, copy_in)
+        ctx.mark_non_differentiable(*(o for o, need in zip(outputs, graph.backward.needs)
+                                      if not need))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        graph = ctx.graph
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"autograph: {graph.label} was graphed, and a graphed backward cannot be "
+                f"differentiated again (create_graph=True, double backward, gradient "
+                f"penalties). Run this call eagerly: call it inside "
+                f"autograph.region(enabled=False).")
+        graph.pool.before_replay()
+        return (None, None, None,
+                *graph.backward.replay(grads, ctx.needs_input_grad[3:]))
+
+
+def _assemble(plan: OutputPlan, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+    """The call's return value from its owned outputs (the Function's) and its arguments."""
+    if plan.only_owned:
+        return plan.rebuild(list(owned))
+    values = []
+    for entry in plan.plan:
+        kind = entry[0]
+        if kind == "own":
+            values.append(owned[entry[1]])
+        elif kind == "arg":
+            values.append(tensors[entry[1]])
+        elif kind == "view":
+            _, i, size, stride, offset = entry
+            values.append(tensors[i].as_strided(size, stride,
+                                                tensors[i].storage_offset() + offset))
+        else:
+            values.append(entry[1])
+    return plan.rebuild(values)
+
+
+class TrainingGraph(Graph):
+    """A key's forward graph and backward graph, tied by an ``autograd.Function``."""
+
+    def __init__(self, capture: Capture, inputs: InputPlan, outputs: OutputPlan, pool: Any,
+                 external: Dict[int, Tensor], survey: Survey, grads: GradSlots, label: str,
+                 backward: Optional[_Backward] = None, backward_capture: Any = None):
+        super().__init__(capture, inputs, outputs, pool, external, survey, grads)
+        self.label = label
+        self.backward = backward
+        if backward_capture is not None:
+            self.capture_seconds += backward_capture.seconds
+            self.memory_bytes += backward_capture.memory_bytes
+        self.last_call: Optional[Callable[[], Any]] = None
+        self._said_busy = False
+
+    @classmethod
+    def record(cls, call: Callable, args: tuple, kwargs: dict, tensors: Sequence[Tensor],
+               backend: Any, device: int, pool: Any, policy: str, label: str,
+               roots: Sequence[Tuple[str, Any]], uses_cudnn: bool = False,
+               padding: Any = None, addressed: Sequence[int] = ()) -> "TrainingGraph":
+        """Capture the forward of ``call`` on static copies of the arguments, then its
+        backward; nothing runs. ``CaptureFailed`` (the caller runs the key eagerly) when the
+        guard or CUDA rejects either capture, or the call cannot have a graphed backward."""
+        if padding is not None:
+            raise _refused(
+                "its outputs need gradients, and a bucketed call does not get a graphed "
+                "backward: the padding rows would flow into reductions and parameter "
+                "gradients. Leave out buckets= for training, or call it under "
+                "torch.no_grad() for inference")
+        if _user_saved_tensor_hooks():
+            raise _refused(
+                "saved-tensor hooks are active around the call (torch.utils.checkpoint or "
+                "torch.autograd.graph.save_on_cpu wrapping it), and a graph keeps its "
+                "activations in its own memory. Checkpoint inside the module instead, or "
+                "call it outside those hooks")
+        inputs = InputPlan(tensors, None, addressed)
+        trained = [i for i, t in enumerate(tensors) if t.requires_grad]
+        for i in trained:
+            if i in inputs.addressed:
+                if not tensors[i].is_leaf:
+                    raise _refused(
+                        f"argument {i} is passed by address (static_argnames) and was "
+                        f"computed with gradients, which could then not flow back through "
+                        f"it. Leave it out of static_argnames, so that it is copied in")
+            else:
+                inputs.statics[i].requires_grad_()
+        static_args, static_kwargs, given = inputs.substitute(args, kwargs)
+        before = inputs.versions()
+        survey = Survey(roots)
+        detector = UnsafeOpDetector(backend.device_type, raise_on_unsafe=True)
+        watch = CallWatch(inputs.statics)
+        reads = _ForwardWatch([inputs.statics[i] for i in trained])
+
+        def run_forward() -> Any:
+            with detector, watch, reads:
+                return call(*static_args, **static_kwargs)
+
+        capture = backend.capture(run_forward, device, pool.handle, uses_cudnn)
+        finding = _capture_failure(detector, capture)
+        if finding is not None:
+            raise CaptureFailed(finding)
+        if capture.error is not None and "leaf Variable that requires grad" in str(
+                capture.error):
+            raise _refused(_WRITES_TRAINED)
+        inputs.note_writes(before)
+        if capture.error is not None:
+            error = capture.error
+            with torch.no_grad():
+                capture.graph.replay()
+                inputs.copy_back(tensors)
+            del capture  # see Graph.record
+            raise error
+        if any(i in trained for i in inputs.mutated):
+            raise _refused(_WRITES_TRAINED)
+        outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given)
+        grads = GradSlots(survey, watch.written)
+        needs = [o.requires_grad for o in outputs.owned]
+        if grads or not any(needs):
+            # No backward to graph: the call ran its own (a whole step), or gradients reach
+            # its arguments only through outputs that are views of them.
+            outputs.owned[:] = [o.detach() for o in outputs.owned]
+            return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label)
+        if reads.hooked:
+            raise _refused(
+                "it uses saved-tensor hooks inside (torch.utils.checkpoint with "
+                "use_reentrant=False, activation offloading), whose backward runs Python "
+                "(recomputation, copies back) that a graph would capture once and replay "
+                "unfaithfully. Turn gradient checkpointing off for this module, or run it "
+                "eagerly under autograph.region(enabled=False)")
+        for t in watch.external.values():
+            if t.requires_grad and not t.is_leaf:
+                raise _refused(
+                    f"it reads {survey.name(t)}, which was computed with gradients outside "
+                    f"the call, so gradients could not flow back through it. Pass it as an "
+                    f"argument")
+        if policy == "static":
+            logger.info("%s: its outputs need gradients, so it returns copies "
+                        "(outputs='static' applies to calls without gradients)", label)
+        leaves = list(reads.trained.values())
+        grad_outputs, backward_capture = cls._record_backward(
+            backend, device, pool, uses_cudnn, outputs.owned, needs,
+            [inputs.statics[i] for i in trained], leaves)
+        backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs, trained,
+                             leaves, list(reads.frozen.values()), survey)
+        return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label,
+                   backward, backward_capture)
+
+    @staticmethod
+    def _record_backward(backend: Any, device: int, pool: Any, uses_cudnn: bool,
+                         outputs: List[Tensor], needs: List[bool], statics: List[Tensor],
+                         leaves: List[Tensor]) -> Tuple[List[Tensor], Capture]:
+        """Capture the gradients of ``outputs`` with respect to ``statics`` and ``leaves``
+        from static output gradients; return those and the capture."""
+        differentiable = [o for o, need in zip(outputs, needs) if need]
+        grad_outputs = [torch.empty_like(o) for o in differentiable]
+        detector = UnsafeOpDetector(backend.device_type, raise_on_unsafe=True)
+
+        # Autocast off: eager backward runs where loss.backward() is called, outside autocast
+        # (the forward's casts are recorded in its autograd graph either way).
+        def run_backward() -> Any:
+            with torch.autocast(backend.device_type, enabled=False):
+                return torch.autograd.grad(differentiable, statics + leaves, grad_outputs,
+                                           retain_graph=True, allow_unused=True)
+
+        if backend.device_type == "cuda":
+            _prepare_backward_thread(device, uses_cudnn)
+        # The guard around the capture, not inside it: backward kernels such as silu_backward
+        # reach dispatch modes whole, and the guard runs such an op's own kernel below the
+        # modes under it, so the CPU emulation's recorder must see each op before the guard.
+        with detector:
+            capture = backend.capture(run_backward, device, pool.handle, uses_cudnn)
+        finding = _capture_failure(detector, capture)
+        if finding is None and capture.error is not None:
+            location, source = location_in_traceback(capture.error.__traceback__)
+            if source == "":  # raised inside torch: name the user's call instead
+                location, source = location_of_caller(sys._getframe())
+            first = (str(capture.error).strip().splitlines() or [""])[0]
+            finding = Finding("its backward", f"could not be captured "
+                              f"({type(capture.error).__name__}: {first})", location, source)
+        if finding is not None:
+            raise CaptureFailed(finding)
+        return grad_outputs, capture
+
+    def replay(self, tensors: Sequence[Tensor], padding: Any = None,
+               copy_in: bool = True) -> Any:
+        """This call's outputs: from the autograd Function, whose backward replays the
+        backward graph (or, without a backward graph, as ``Graph.replay``)."""
+        if self.backward is None:
+            return super().replay(tensors, padding, copy_in)
+        backward = self.backward
+        differentiable = [tensors[i] for i in backward.trained]
+        differentiable += [ref() for ref, _ in backward.leaves]
+        owned = _Replay.apply(self, tensors, copy_in, *differentiable)
+        return _assemble(self.outputs, owned, tensors)
+
+    def replay_forward(self, tensors: Sequence[Tensor], copy_in: bool) -> List[Tensor]:
+        """Copy in, replay the forward graph, copy written arguments back; fresh outputs."""
+        self.pool.before_replay()
+        if copy_in:
+            self.inputs.copy_in(tensors)
+        self.graph.replay()
+        if self.mutated:
+            self.inputs.copy_back(tensors)
+        return [o.clone() for o in self.outputs.owned]
+
+    def may_replay(self) -> bool:
+        if self.invalid_reason is None and self.backward is not None:
+            self.invalid_reason = self.backward.changed()
+        return super().may_replay()
+
+    def busy(self) -> bool:
+        """Whether this call must run eagerly: the activations in the graph's memory still
+        belong to an earlier call whose backward may run, or saved-tensor hooks wrap it."""
+        if self.backward is None:
+            return False
+        last = self.last_call
+        busy = (last is not None and last() is not None) or _user_saved_tensor_hooks()
+        if busy and not self._said_busy:
+            self._said_busy = True
+            logger.info(
+                "%s: called again while an earlier call's backward may still run (or inside "
+                "saved-tensor hooks), so this call runs eagerly: its graph holds one call's "
+                "activations. Call backward after each forward to keep calls graphed",
+                self.label)
+        return busy
+
+
+_WRITES_TRAINED = ("it writes in place to an argument that requires grad, which a graphed "
+                   "backward cannot follow. Write to a copy (x = x.clone()) or run it eagerly")

@@ -1,0 +1,70 @@
+"""Run a call for real, then take its effects back: for warmups that must leave no trace.
+
+>>> with UndoWrites() as undo:
+...     step(x, cache)           # writes the cache, draws random numbers
+>>> undo.restore()               # the cache and the generators are as before the call
+
+Used where autograph runs a function the caller did not ask to run: the warmup of
+``fn.capture(...)`` ahead of time, and the eager check of verify mode. Every tensor that
+existed before the call and is written by it (by its schema, or batch norm's running
+statistics) has its whole storage saved before the first write; the CPU and CUDA default
+generators have their state saved. Python-side effects (a counter in the function) are not
+taken back.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._reads import written_tensors
+
+Tensor = torch.Tensor
+
+
+def _generator_states() -> List[Tuple[Any, Any]]:
+    generators = [torch.default_generator]
+    if torch.cuda.is_initialized():
+        generators += list(torch.cuda.default_generators)
+    return [(g, g.get_state()) for g in generators]
+
+
+class UndoWrites(TorchDispatchMode):
+    """Save what a call overwrites, so that ``restore()`` can put it back."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch >= 2.9: without it Dynamo skips every frame run under this mode (torch <=
+        # 2.13: for good); with it, compiled code compiles and runs under the mode.
+        return True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: Dict[int, Tuple[Any, Any]] = {}
+        self.created: Set[int] = set()
+        self.generators = _generator_states()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        for tensor in written_tensors(func, args, kwargs):
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key not in self.created and key not in self.saved and storage.nbytes():
+                # The whole storage: later writes may go through other views of it.
+                self.saved[key] = (storage, storage.clone())
+        out = func(*args, **kwargs)
+        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(t, Tensor) and t.layout is torch.strided:
+                self.created.add(t.untyped_storage()._cdata)
+        return out
+
+    def restore(self) -> None:
+        """Put every saved storage and generator back as it was."""
+        with torch.no_grad():
+            for storage, before in self.saved.values():
+                storage.copy_(before)
+        for generator, state in self.generators:
+            generator.set_state(state)
+        self.saved.clear()

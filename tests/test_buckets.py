@@ -1,0 +1,127 @@
+"""Serving shapes (SPEC 4): buckets, arguments used by address, and capture ahead of time."""
+import pytest
+import torch
+
+import autograph
+from conftest import device_label
+
+
+def by_bucket(fn):
+    return sorted((r.bucket, r.state, r.calls, r.replays, r.sizes) for r in autograph.stats(fn))
+
+
+def test_calls_replay_the_graph_of_their_bucket_with_outputs_sliced_back(device):
+    python_runs = []
+
+    @autograph.graphed(buckets=[1, 2, 4, 8])
+    def scores(x, w):
+        python_runs.append(x.shape[0])
+        return torch.relu(x @ w), (x @ w).sum()
+
+    w = torch.randn(5, 3, device=device)
+    for n in (3, 4, 3, 3, 1, 1, 1, 4):
+        x = torch.randn(n, 5, device=device)
+        out, total = scores(x, w)
+        assert out.shape == (n, 3) and torch.allclose(out, torch.relu(x @ w))
+        assert torch.allclose(total, (x @ w).sum())     # zero rows add nothing
+    assert python_runs == [3, 4, 1, 1]      # warmups run the real size, captures the bucket
+    assert by_bucket(scores) == [(1, "graphed", 3, 2, {1: 3}),
+                                 (4, "graphed", 5, 4, {3: 3, 4: 2})]
+    row = [r for r in scores.stats() if r.bucket == 4][0]
+    assert row.key.startswith(f"x: f32[4, 5] {device_label(device)}")
+    assert row.padding_waste == pytest.approx(4 * 5 / 17 - 1)
+
+
+def test_calls_above_the_largest_bucket_run_eagerly_and_say_so_once(device, caught):
+    @autograph.graphed(buckets=[1, 2])
+    def double(x):
+        return x * 2
+
+    for n in (5, 5, 6):
+        x = torch.randn(n, device=device)
+        assert torch.equal(double(x), x * 2)
+    messages = [str(w.message) for w in caught if issubclass(w.category,
+                                                             autograph.AutographWarning)]
+    assert len(messages) == 1 and "above the largest of buckets=[1, 2]" in messages[0]
+    assert {r.state for r in double.stats()} == {"eager"}
+
+
+def test_in_place_writes_reach_only_the_callers_real_rows(device):
+    @autograph.graphed(buckets=[4])
+    def bump(counts, x):
+        counts.add_(x)
+        return counts.sum()
+
+    for _ in range(3):
+        counts = torch.zeros(3, device=device)
+        total = bump(counts, torch.ones(3, device=device))
+        assert torch.equal(counts, torch.ones(3, device=device)) and total.item() == 3
+    assert by_bucket(bump) == [(4, "graphed", 3, 2, {3: 3})]
+
+
+def test_explicit_bucket_args_pad_with_their_values(device):
+    @autograph.graphed(buckets=[8], bucket_args={"ids": 0, "mask": (0, -1)})
+    def masked(ids, mask, scale):
+        return ids * (mask > 0), (mask < 0).sum(), scale * 2
+
+    scale = torch.ones(5, device=device)          # dim 0 of 5, but not named: not padded
+    for _ in range(3):
+        ids = torch.arange(5, device=device)
+        mask = torch.ones(5, dtype=torch.long, device=device)
+        out, padded_rows, doubled = masked(ids, mask, scale)
+        assert torch.equal(out, ids) and doubled.shape == (5,)
+    assert padded_rows.item() == 3                  # the three pad rows hold -1
+    assert by_bucket(masked)[0][:4] == (8, "graphed", 3, 2)
+
+
+def test_buckets_in_a_region_and_for_a_module(device):
+    model = torch.nn.Linear(4, 2).to(device)
+    with torch.no_grad(), autograph.region(buckets=[2, 4]):
+        for n in (1, 2, 3, 4, 3):
+            x = torch.randn(n, 4, device=device)
+            assert torch.allclose(model(x), torch.nn.functional.linear(x, model.weight,
+                                                                        model.bias))
+    assert by_bucket(model) == [(2, "graphed", 2, 1, {1: 1, 2: 1}),
+                                (4, "graphed", 3, 2, {3: 2, 4: 1})]
+
+
+def test_static_arguments_are_used_by_address(device):
+    @autograph.graphed(static_argnames=["cache"])
+    def append(x, cache, position):
+        cache.index_copy_(0, position, x)
+        return cache.sum()
+
+    cache = torch.zeros(8, device=device)
+    for i in range(5):
+        total = append(torch.ones(1, device=device), cache, torch.tensor([i], device=device))
+        assert total.item() == i + 1
+    assert torch.equal(cache, torch.tensor([1.0] * 5 + [0.0] * 3, device=device))
+    other = torch.zeros(8, device=device)          # a new address is a new key
+    append(torch.ones(1, device=device), other, torch.tensor([0], device=device))
+    assert sorted((r.state, r.calls, r.replays) for r in append.stats()) == [
+        ("graphed", 5, 4), ("warmup", 1, 0)]
+
+
+def test_capture_ahead_of_time_captures_every_bucket_and_leaves_no_effect(device):
+    python_runs = []
+
+    @autograph.graphed(buckets=[1, 2, 4], static_argnames=["cache"])
+    def step(x, cache):
+        python_runs.append(x.shape[0])
+        cache.add_(x.sum())
+        return x * 2 + torch.rand_like(x)
+
+    cache = torch.zeros(3, device=device)
+    torch.manual_seed(0)
+    expected_noise = torch.rand(3, 2, device=device)
+    torch.manual_seed(0)
+    rows = step.capture(torch.ones(3, 2, device=device), cache)
+    assert [(r.bucket, r.state) for r in rows] == [(4, "graphed"), (2, "graphed"), (1, "graphed")]
+    assert python_runs == [4, 4, 2, 2, 1, 1]           # one warmup and one capture each
+    assert torch.equal(cache, torch.zeros(3, device=device))   # the warmups were taken back
+    out = step(torch.ones(3, 2, device=device), cache)          # a replay, first call
+    assert python_runs == [4, 4, 2, 2, 1, 1]
+    assert torch.equal(cache, torch.full((3,), 6.0, device=device))
+    assert out.shape == (3, 2)
+    if device == "cpu":        # the emulation draws as eager would; on CUDA, philox offsets
+        assert torch.equal(out, 2 + expected_noise)

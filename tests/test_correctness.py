@@ -1,0 +1,418 @@
+"""Never a wrong result (issue 8, SPEC 2.1, 2.5, 2.7, 2.8): each case here once gave a wrong
+result or a crash. Each test runs on the CPU emulation and, where there is one, on a GPU, and
+checks both the values (equal to eager) and what the engine did (graphed, eager, recaptured).
+"""
+import asyncio
+import gc
+import types
+import weakref
+
+import pytest
+import torch
+
+import autograph
+from conftest import autograph_warnings, device_label
+
+
+def rows(fn):
+    return [(s.state, s.calls, s.eager_calls, s.replays) for s in autograph.stats(fn)]
+
+
+# ---- state read by address (SPEC 2.8) ----
+
+class GrowingCache:
+    """A cache that grows with torch.cat, as HF's DynamicCache does: its tensor is rebound."""
+
+    def __init__(self, device):
+        self.keys = torch.zeros(1, 0, 4, device=device)
+
+    def update(self, k):
+        self.keys = torch.cat([self.keys, k], dim=1)
+        return self.keys
+
+
+def test_a_cache_that_rebinds_its_tensors_runs_eagerly_and_says_which(device, caught):
+    @autograph.graphed
+    def attend(q, cache):
+        keys = cache.update(q)
+        return (keys * q).sum(1)
+
+    def run(graphed):
+        cache = GrowingCache(device)
+        torch.manual_seed(0)
+        steps = [torch.randn(1, 1, 4, device=device) for _ in range(6)]
+        fn = attend if graphed else attend.__wrapped__
+        return [fn(q, cache) for q in steps], cache
+
+    expected, eager_cache = run(False)
+    got, cache = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert torch.equal(cache.keys, eager_cache.keys) and cache.keys.shape[1] == 6
+    row, = attend.stats()
+    assert (row.state, row.calls, row.replays) == ("eager", 6, 1)   # the capture call
+    assert "it replaces cache.keys on every call" in row.fallback_reason
+    assert "StaticCache" in row.fallback_reason
+    assert len(autograph_warnings(caught)) == 1
+
+
+def test_a_rebound_tensor_is_seen_and_the_key_captured_again(device):
+    state = types.SimpleNamespace(scale=torch.ones(3, device=device))
+    python_runs = []
+
+    @autograph.graphed
+    def scaled(x):
+        python_runs.append(1)
+        return x * state.scale
+
+    x = torch.arange(3.0, device=device)
+    for _ in range(3):
+        assert torch.equal(scaled(x), x)
+    state.scale = torch.full((3,), 2.0, device=device)   # the old tensor is freed
+    for _ in range(3):
+        assert torch.equal(scaled(x), x * 2)
+    assert len(python_runs) == 3        # warmup, capture, and one capture again
+    assert rows(scaled) == [("graphed", 6, 1, 5)]
+
+
+def test_a_tensor_rebound_again_and_again_ends_eager_with_its_name(device, caught):
+    state = types.SimpleNamespace(scale=torch.ones(3, device=device))
+
+    @autograph.graphed
+    def scaled(x):
+        return x * state.scale
+
+    x = torch.ones(3, device=device)
+    for value in range(2, 10):
+        assert torch.equal(scaled(x), state.scale)
+        state.scale = torch.full((3,), float(value), device=device)
+    row, = scaled.stats()
+    assert row.state == "eager" and "state.scale" in row.fallback_reason
+    assert "update it in place" in row.fallback_reason
+    assert len(autograph_warnings(caught)) == 1
+
+
+def test_in_place_updates_of_state_read_by_address_are_seen(device):
+    weight = torch.ones(3, device=device)
+
+    @autograph.graphed
+    def f(x):
+        return x * weight
+
+    x = torch.ones(3, device=device)
+    for i in range(4):
+        assert torch.equal(f(x), weight)
+        weight.add_(1)
+    assert rows(f) == [("graphed", 4, 1, 3)]
+
+
+# ---- keys (SPEC 2.1) ----
+
+def test_signed_zero_and_nan_values_key_as_they_compute(device):
+    @autograph.graphed
+    def divide(x, s):
+        return x / s
+
+    x = torch.ones(2, device=device)
+    for s in (0.0, 0.0, 0.0, -0.0, -0.0, float("nan"), float("nan"), float("nan")):
+        out = divide(x, s)
+        expected = x / s
+        assert torch.equal(out, expected) or (out.isnan().all() and expected.isnan().all())
+    assert sorted((r.key.split(", ")[1], r.state, r.replays) for r in divide.stats()) == [
+        ("s=-0.0", "graphed", 1), ("s=0.0", "graphed", 2), ("s=nan", "graphed", 2)]
+
+
+def test_an_unhashable_keyword_argument_is_named(device):
+    @autograph.graphed
+    def f(x, *, cfg):
+        return x
+
+    with pytest.raises(TypeError, match=r"argument cfg is an unhashable set"):
+        f(torch.ones(1, device=device), cfg={1, 2})
+    with pytest.raises(TypeError, match=r"argument x\[1\] is an unhashable set"):
+        f((torch.ones(1, device=device), {1}), cfg=None)
+
+
+# ---- outputs (SPEC 2.5) ----
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+
+def test_plain_objects_in_the_output_are_new_on_every_call(device):
+    @autograph.graphed
+    def boxed(x):
+        return Box(x * 2), types.SimpleNamespace(doubled=x * 2, note="ok")
+
+    kept = [boxed(torch.full((1,), float(i), device=device)) for i in range(4)]
+    assert [b.value.item() for b, _ in kept] == [0, 2, 4, 6]
+    assert [n.doubled.item() for _, n in kept] == [0, 2, 4, 6]
+    assert len({id(b) for b, _ in kept}) == 4 and all(n.note == "ok" for _, n in kept)
+    assert rows(boxed) == [("graphed", 4, 1, 3)]
+
+
+class Holder:
+    def __init__(self, device):
+        self.total = torch.zeros(2, device=device)
+
+
+def test_an_object_passed_in_and_returned_comes_back_as_itself(device):
+    @autograph.graphed
+    def step(x, holder):
+        holder.total.add_(x)
+        return types.SimpleNamespace(out=x * 2, holder=holder)
+
+    holder = Holder(device)
+    for i in range(1, 5):
+        result = step(torch.ones(2, device=device), holder)
+        assert result.holder is holder and torch.equal(holder.total,
+                                                        torch.full((2,), float(i), device=device))
+    assert rows(step) == [("graphed", 4, 1, 3)]
+
+
+# ---- arguments that share memory (SPEC 2.7) ----
+
+def test_arguments_sharing_memory_give_eager_results_on_every_call_capture_included(device):
+    @autograph.graphed
+    def f(a, b):
+        a.add_(1)
+        return b * 2
+
+    separate = [f(torch.zeros(2, device=device), torch.zeros(2, device=device))]
+    x = torch.zeros(2, device=device)
+    aliased = f(x, x)                                  # the capture call
+    assert torch.equal(aliased, torch.full((2,), 2.0, device=device))
+    base = torch.zeros(3, device=device)
+    overlapping = f(base[:2], base[1:])                # overlapping views
+    assert torch.equal(overlapping, torch.tensor([2.0, 0.0], device=device))
+    separate.append(f(torch.zeros(2, device=device), torch.zeros(2, device=device)))
+    assert all(torch.equal(s, torch.zeros(2, device=device)) for s in separate)
+    # warmup, two eager calls with shared memory, then the capture with separate tensors
+    assert rows(f) == [("graphed", 4, 3, 1)]
+
+
+# ---- arguments a graph cannot stand in for (SPEC 2.1) ----
+
+class Doubling(torch.Tensor):
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        if func is torch.Tensor.add:
+            return result * 2
+        return result
+
+
+class Tagged(torch.Tensor):
+    pass
+
+
+def test_tensor_subclasses_run_eagerly_with_the_reason(device):
+    @autograph.graphed
+    def add_one(x):
+        return x + 1
+
+    for cls in (Doubling, Tagged):
+        outs = [add_one(torch.full((3,), 2.0, device=device).as_subclass(cls)) for _ in range(3)]
+        assert all(type(o) is cls and torch.equal(o.as_subclass(torch.Tensor),
+                                                   (torch.full((3,), 2.0, device=device)
+                                                    .as_subclass(cls) + 1)
+                                                   .as_subclass(torch.Tensor)) for o in outs)
+    assert {r.state for r in add_one.stats()} == {"eager"}
+    assert all("tensor subclass" in r.fallback_reason for r in add_one.stats())
+
+
+def test_sparse_arguments_run_eagerly_with_the_reason(device):
+    @autograph.graphed
+    def dense(x):
+        return x.to_dense() * 2
+
+    sparse = torch.eye(3, device=device).to_sparse()
+    for _ in range(3):
+        assert torch.equal(dense(sparse), torch.eye(3, device=device) * 2)
+    row, = dense.stats()
+    assert row.state == "eager" and "sparse" in row.fallback_reason
+
+
+def test_generator_and_async_functions_are_refused_at_decoration():
+    def numbers(x):
+        yield x
+
+    async def later(x):
+        return x
+
+    async def stream(x):
+        yield x
+
+    for fn, word in ((numbers, "generator"), (later, "async"), (stream, "async generator")):
+        with pytest.raises(TypeError, match=f"is an? {word}"):
+            autograph.graphed(fn)
+    asyncio.run(later(1))  # the function itself is untouched
+
+
+# ---- the key cache: max_graphs counts graphs, objects keyed by identity die ----
+
+def test_max_graphs_counts_graphs_not_keys(device):
+    @autograph.graphed(max_graphs=2)
+    def f(x):
+        return x + 1
+
+    for n in (1, 2, 3):                       # one-off shapes: no graph
+        f(torch.zeros(n, device=device))
+    for _ in range(3):
+        f(torch.zeros(7, device=device))      # a repeated shape gets one
+    assert sorted((r.key.split(":")[1].split()[0], r.state) for r in f.stats()) == [
+        ("f32[1]", "warmup"), ("f32[2]", "warmup"), ("f32[3]", "warmup"), ("f32[7]", "graphed")]
+
+
+def test_strict_raises_for_every_key_past_max_graphs(device):
+    @autograph.graphed(max_graphs=1, strict=True)
+    def f(x):
+        return x + 1
+
+    for _ in range(2):
+        f(torch.zeros(1, device=device))
+    for n in (2, 3):
+        f(torch.zeros(n, device=device))      # warmup
+        with pytest.raises(autograph.CaptureError, match="max_graphs=1"):
+            f(torch.zeros(n, device=device))
+
+
+class Request:
+    """A per-request object keyed by identity, holding a tensor."""
+
+    def __init__(self, device):
+        self.buffer = torch.zeros(1 << 16, device=device)
+
+
+def test_objects_keyed_by_identity_are_not_kept_alive(device):
+    @autograph.graphed
+    def f(x, request):
+        return x + request.buffer[:1]
+
+    refs = []
+    for _ in range(40):
+        request = Request(device)
+        refs.append(weakref.ref(request))
+        f(torch.zeros(1, device=device), request)
+        del request
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+    assert len(f.stats()) <= 1
+
+
+def test_the_key_cache_is_bounded(device):
+    @autograph.graphed
+    def f(x):
+        return x * 2
+
+    for n in range(1, 301):
+        f(torch.zeros(n, device=device))
+    assert len(f.stats()) == 256
+
+
+def test_keys_that_never_repeat_are_said_once_with_what_changes(device, caught):
+    @autograph.graphed
+    def f(x, mask):
+        return x * mask.sum()
+
+    for n in range(1, 40):
+        f(torch.ones(2, device=device), torch.ones(1, n, device=device))
+    messages = autograph_warnings(caught)
+    assert len(messages) == 1
+    assert "each had a new key" in messages[0]
+    assert (f"mask: f32[1, 15] {device_label(device)} became mask: f32[1, 16] "
+            f"{device_label(device)}.") in messages[0]
+
+
+# ---- binding ----
+
+class Scaler:
+    def __init__(self, scale):
+        self.scale = scale
+
+    @autograph.graphed
+    def apply(self, x):
+        return x * self.scale
+
+    @autograph.graphed
+    @staticmethod
+    def double(x):
+        return x * 2
+
+
+def test_methods_of_temporary_instances_and_staticmethods_bind_as_eagerly(device):
+    x = torch.ones(2, device=device)
+    for _ in range(3):
+        assert torch.equal(Scaler(3.0).apply(x), x * 3)
+        assert torch.equal(Scaler(1.0).double(x), x * 2)
+        assert torch.equal(Scaler.double(x), x * 2)
+    assert rows(Scaler.double) == [("graphed", 6, 1, 5)]
+
+
+# ---- host reads the capture would not make ----
+
+def test_a_host_read_seen_only_at_warmup_does_not_veto_the_capture(device, caught):
+    warming_up = [True]
+
+    @autograph.graphed
+    def f(x):
+        if warming_up[0] and x.sum().item() > 100:   # capture-aware code skips this read
+            return x
+        return x * 2
+
+    x = torch.ones(2, device=device)
+    assert torch.equal(f(x), x * 2)
+    warming_up[0] = False
+    for _ in range(3):
+        assert torch.equal(f(x), x * 2)
+    assert rows(f) == [("graphed", 4, 1, 3)]
+    assert autograph_warnings(caught) == []
+
+
+# ---- .grad is state read by address too (SPEC 2.8) ----
+
+@pytest.mark.parametrize("clear", ["none_outside", "zero_outside", "none_inside", "zero_inside"])
+def test_backward_inside_a_graphed_function_leaves_grad_as_eager(device, clear):
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 2).to(device)
+
+    def step_for(model):
+        def step(x):
+            if clear.endswith("inside"):
+                model.zero_grad(set_to_none=clear == "none_inside")
+            model(x).square().sum().backward()
+            return x * 1
+        return step
+
+    eager_model, graphed_model = make(), make()
+    eager_step, graphed_step = step_for(eager_model), autograph.graphed(step_for(graphed_model))
+    torch.manual_seed(1)
+    batches = [torch.randn(3, 4, device=device) for _ in range(5)]
+    for x in batches:
+        for model, step in ((eager_model, eager_step), (graphed_model, graphed_step)):
+            if clear.endswith("outside"):
+                model.zero_grad(set_to_none=clear == "none_outside")
+            step(x)
+        for a, b in zip(eager_model.parameters(), graphed_model.parameters()):
+            assert b.grad is not None and torch.allclose(a.grad, b.grad)
+    row, = graphed_step.stats()
+    assert (row.state, row.replays) == ("graphed", 4), row.fallback_reason
+
+
+def test_grads_cleared_between_calls_of_an_accumulating_graph_are_seen(device, caught):
+    w = torch.ones(3, device=device, requires_grad=True)
+
+    @autograph.graphed
+    def accumulate(x):
+        (w * x).sum().backward()
+        return x * 1
+
+    x = torch.ones(3, device=device)
+    w.grad = torch.zeros(3, device=device)
+    for _ in range(3):
+        accumulate(x)                       # accumulates into the existing .grad
+    assert torch.equal(w.grad, torch.full((3,), 3.0, device=device))
+    w.grad = None                           # eager would start afresh
+    accumulate(x)
+    assert torch.equal(w.grad, torch.ones(3, device=device))
