@@ -1,60 +1,224 @@
-"""Timing helpers and the demo behind ``python -m autograph bench``.
+"""Timing helpers, the benchmark's row conventions, and the demo behind ``python -m autograph
+bench``.
 
 >>> per_call_us(lambda: step(x), calls=200)      # median over repeats, in microseconds
+>>> side_by_side({"hand": lambda: hand(x), "autograph": lambda: step(x)})   # interleaved
 
 Each figure is the wall time of many back-to-back calls divided by their number, with the GPU
 synchronised before and after: what a Python loop calling the function sees, the CPU cost of
 launching included. That cost is what CUDA graphs remove.
+
+``AUTOGRAPH_BENCH_SMOKE=1`` runs the benchmark's code paths on the CPU with tiny call counts
+(CUDA graphs emulated by ``autograph.testing``, hand-written graphs replayed eagerly): it
+checks that the benchmark code runs, its figures mean nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import statistics
+import sys
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+SMOKE = os.environ.get("AUTOGRAPH_BENCH_SMOKE", "") == "1"
+
+
+# ---- where and how to time ----
+
+def device() -> str:
+    """The device the benchmark runs on: ``cuda``, or ``cpu`` for a smoke run."""
+    return "cpu" if SMOKE or not torch.cuda.is_available() else "cuda"
+
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def reserved_bytes() -> int:
+    """The CUDA caching allocator's reserved memory (0 without CUDA)."""
+    return torch.cuda.memory_reserved() if device() == "cuda" else 0
+
+
+def _counts(calls: int, repeats: int, warmup: int) -> Tuple[int, int, int]:
+    return (min(calls, 2), 1, min(warmup, 1)) if SMOKE else (calls, repeats, warmup)
 
 
 def per_call_us(call: Callable[[], Any], calls: int = 200, repeats: int = 7,
                 warmup: int = 20) -> float:
     """Median over ``repeats`` of the mean wall time of ``calls`` calls, in microseconds."""
+    calls, repeats, warmup = _counts(calls, repeats, warmup)
     for _ in range(warmup):
         call()
-    cuda = torch.cuda.is_available()
     samples = []
     for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for _ in range(calls):
             call()
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         samples.append((time.perf_counter() - start) / calls * 1e6)
     return statistics.median(samples)
 
 
-def hand_written(fn: Callable, example: Sequence[torch.Tensor], warmup: int = 3) -> Callable:
-    """The loop every serving engine writes: static inputs, side-stream warmup, capture,
-    then copy in, replay, clone out."""
-    statics = [t.clone() for t in example]
-    stream = torch.cuda.Stream()
+def side_by_side(variants: Dict[str, Callable[[], Any]], calls: int = 200, rounds: int = 7,
+                 warmup: int = 20,
+                 contexts: Optional[Dict[str, Callable[[], Any]]] = None) -> Dict[str, float]:
+    """``per_call_us`` of several variants, interleaved round by round (so that a drift of the
+    machine hits all of them alike): each variant's median over ``rounds``. ``contexts``
+    gives some variants a context manager factory, entered around their timed calls only."""
+    calls, rounds, warmup = _counts(calls, rounds, warmup)
+    contexts = contexts or {}
+    for name, call in variants.items():
+        with contexts.get(name, contextlib.nullcontext)():
+            for _ in range(warmup):
+                call()
+    samples: Dict[str, List[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, call in variants.items():
+            with contexts.get(name, contextlib.nullcontext)():
+                sync()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                sync()
+                elapsed = time.perf_counter() - start
+            samples[name].append(elapsed / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def latencies_us(call: Callable[[], Any], n: int = 300, warmup: int = 10) -> List[float]:
+    """Each call's own latency (GPU synchronised after it), sorted, in microseconds."""
+    n, _, warmup = _counts(n, 1, warmup)
+    for _ in range(warmup):
+        call()
+    out = []
+    for _ in range(n):
+        sync()
+        start = time.perf_counter()
+        call()
+        sync()
+        out.append((time.perf_counter() - start) * 1e6)
+    return sorted(out)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q`` (0..100) percentile of sorted values, nearest rank."""
+    index = min(len(sorted_values) - 1, max(0, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ``ys`` over ``xs``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+
+def compile_for_bench(fn: Any, **kwargs: Any) -> Any:
+    """``torch.compile(fn, **kwargs)``; in a smoke run the eager backend (no C++ build)."""
+    if SMOKE:
+        return torch.compile(fn, backend="eager", dynamic=kwargs.get("dynamic"))
+    return torch.compile(fn, **kwargs)
+
+
+def raise_recompile_limit(limit: int = 64) -> None:
+    """Let one code object hold ``limit`` compiled entries (several modes, several sizes)."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), limit))
+
+
+def dynamo_counters() -> Dict[str, Dict[str, int]]:
+    """A copy of ``torch._dynamo.utils.counters``."""
+    from torch._dynamo.utils import counters
+
+    return {group: dict(values) for group, values in counters.items()}
+
+
+def counter_changes(before: Dict[str, Dict[str, int]], after: Dict[str, Dict[str, int]],
+                    groups: Sequence[str] = ("frames", "stats", "recompiles", "unimplemented",
+                                             "graph_break")) -> Dict[str, int]:
+    """The dynamo counters (of ``groups``) that changed between two ``dynamo_counters()``."""
+    changes = {}
+    for group in groups:
+        for name, value in after.get(group, {}).items():
+            delta = value - before.get(group, {}).get(name, 0)
+            if delta:
+                changes[f"{group}.{name}"] = delta
+    return changes
+
+
+# ---- hand-written graphs ----
+
+class _EagerGraph:
+    """A smoke run's stand-in for ``torch.cuda.CUDAGraph`` on the CPU: replay re-runs the
+    recorded function and copies its results into the outputs of the "capture"."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn = fn
+        self.output = fn()
+
+    def replay(self) -> None:
+        new, _ = torch.utils._pytree.tree_flatten(self.fn())
+        old, _ = torch.utils._pytree.tree_flatten(self.output)
+        for o, n in zip(old, new):
+            if isinstance(o, torch.Tensor):
+                o.copy_(n)
+
+
+def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
+                  stream: Any = None) -> Tuple[Any, Any]:
+    """(graph, static outputs) of ``fn`` after ``warmup`` calls on a side stream: what every
+    serving engine writes. ``pool`` shares a memory pool between graphs."""
+    if device() != "cuda":
+        for _ in range(warmup):
+            fn()
+        graph = _EagerGraph(fn)
+        return graph, graph.output
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
-            fn(*statics)
+            fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        static_out = fn(*statics)
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        output = fn()
+    return graph, output
 
-    def replay(*args: torch.Tensor) -> torch.Tensor:
+
+def new_pool() -> Any:
+    return torch.cuda.graph_pool_handle() if device() == "cuda" else None
+
+
+def hand_written(fn: Callable, example: Sequence[torch.Tensor], warmup: int = 3,
+                 batched: bool = False) -> Callable:
+    """The loop every serving engine writes: static inputs, side-stream warmup, capture,
+    then copy in, replay, clone out. ``batched`` copies all inputs with one
+    ``torch._foreach_copy_`` instead of one ``copy_`` each."""
+    statics = [t.clone() for t in example]
+    graph, static_out = capture_graph(lambda: fn(*statics), warmup)
+
+    if batched:
+        def replay(*args: torch.Tensor) -> torch.Tensor:
+            torch._foreach_copy_(statics, args)
+            graph.replay()
+            return static_out.clone()
+        return replay
+
+    def replay_each(*args: torch.Tensor) -> torch.Tensor:
         for static, arg in zip(statics, args):
             static.copy_(arg)
         graph.replay()
         return static_out.clone()
 
-    return replay
+    return replay_each
 
 
 def mlp(layers: int = 32, width: int = 512, dtype: torch.dtype = torch.bfloat16,
@@ -63,6 +227,115 @@ def mlp(layers: int = 32, width: int = 512, dtype: torch.dtype = torch.bfloat16,
     for _ in range(layers):
         blocks += [torch.nn.Linear(width, width), torch.nn.GELU()]
     return torch.nn.Sequential(*blocks).to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+# ---- rows ----
+
+def progress(message: str) -> None:
+    """A progress line on stderr, flushed: a run cut off by a time limit still shows it."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def infer_kind(variant: str) -> str:
+    """eager / hand / autograph / compile / other, from a variant's name."""
+    text = variant.lower()
+    if "compile" in text and "autograph" not in text:
+        return "compile"
+    if "autograph" in text or "region" in text:
+        return "autograph"
+    if "hand" in text or "make_graphed_callables" in text or "replay alone" in text:
+        return "hand"
+    if "eager" in text or "bare" in text:
+        return "eager"
+    return "other"
+
+
+class Rows(list):
+    """A case's result rows. Each row appended is printed as a progress line and, when a path
+    is given, the rows so far are written there as JSON (a case cut off keeps its rows)."""
+
+    def __init__(self, path: Optional[str] = None):
+        super().__init__()
+        self.path = path
+
+    def append(self, row: Dict[str, Any]) -> None:  # type: ignore[override]
+        row = dict(row)
+        row.setdefault("kind", infer_kind(str(row.get("variant", ""))))
+        super().append(row)
+        progress(f"{row.get('case', '')} | {row.get('variant', '')} | {figure(row)} | "
+                 f"{row.get('note', '')}")
+        self.save()
+
+    def extend(self, rows: Any) -> None:  # type: ignore[override]
+        for row in rows:
+            self.append(row)
+
+    def note(self, text: str, sep: str = " ") -> None:
+        """Add to the last row's note."""
+        if self:
+            old = self[-1].get("note", "")
+            self[-1]["note"] = (old + sep + text) if old else text
+            self.save()
+
+    def save(self) -> None:
+        if self.path:
+            with open(self.path + ".tmp", "w") as fh:
+                json.dump(list(self), fh)
+            os.replace(self.path + ".tmp", self.path)
+
+
+def figure(row: Dict[str, Any]) -> str:
+    """A row's figure as the table shows it: ``158.2`` (us per call), ``3.21 ms/cycle``..."""
+    value = row.get("value")
+    if value is None:
+        return str(row.get("us/call", "n/a"))
+    unit = row.get("unit", "us/call")
+    text = f"{value:.1f}" if abs(value) >= 10 or value == 0 else f"{value:.2f}"
+    if abs(value) >= 10000:
+        text = f"{value:.0f}"
+    return text if unit == "us/call" else f"{text} {unit}"
+
+
+def add_row(rows: List[Dict[str, Any]], case: str, variant: str, value: Optional[float],
+            unit: str = "us/call", note: str = "", kind: Optional[str] = None,
+            **extra: Any) -> None:
+    row = {"case": case, "variant": variant, "value": value, "unit": unit, "note": note}
+    if kind:
+        row["kind"] = kind
+    row.update(extra)
+    rows.append(row)
+
+
+def failure(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:100] if lines else ''}"
+
+
+def timed(rows: List[Dict[str, Any]], case: str, variant: str, call: Callable[[], Any],
+          note: str = "", kind: Optional[str] = None, timer: Optional[Callable] = None,
+          **extra: Any) -> Optional[float]:
+    """Time ``call`` (``per_call_us`` unless ``timer`` is given) and add its row; a variant
+    that fails gets an ``n/a`` row with the error, and None is returned."""
+    try:
+        us = (timer or per_call_us)(call)
+    except Exception as error:  # a reference that does not support the case
+        add_row(rows, case, variant, None, note=failure(error), kind=kind, **extra)
+        return None
+    add_row(rows, case, variant, us, note=note, kind=kind, **extra)
+    return us
+
+
+def with_ratio(rows: List[Dict[str, Any]], value: Optional[float],
+               reference: Optional[float], label: str = "hand-written") -> None:
+    """Note on the last row ``value / reference`` as ``1.004x hand-written``."""
+    if value and reference:
+        ratio = value / reference
+        rows[-1]["ratio"] = ratio
+        rows[-1]["ratio_to"] = label
+        if hasattr(rows, "note"):
+            rows.note(f"{ratio:.3f}x {label}")  # type: ignore[attr-defined]
+        else:
+            rows[-1]["note"] = (rows[-1].get("note", "") + f" {ratio:.3f}x {label}").strip()
 
 
 def format_rows(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
@@ -76,37 +349,57 @@ def format_rows(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 
+# ---- python -m autograph bench ----
+
 def demo() -> None:
-    """Eager against graphed for a 32-layer MLP at batch 1, or an explanation without a GPU."""
+    """Eager against a hand-written graph against autograph for a 32-layer MLP at batch 1, or
+    an explanation without a GPU."""
+    import contextlib
+
     import autograph
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not SMOKE:
         model = mlp(device="cpu", dtype=torch.float32)
         step = autograph.graphed(mlp(device="cpu", dtype=torch.float32))
+        step.load_state_dict(model.state_dict())
         x = torch.randn(1, 512)
         with torch.no_grad():
-            eager = per_call_us(lambda: model(x), calls=20, repeats=3, warmup=2)
-            graphed = per_call_us(lambda: step(x), calls=20, repeats=3, warmup=2)
+            us = side_by_side({"eager": lambda: model(x), "autograph": lambda: step(x)},
+                              calls=20, rounds=5, warmup=2)
         reason = step.forward.stats()[0].fallback_reason  # type: ignore[attr-defined]
         print("No CUDA GPU here, so autograph ran every call eagerly, as it should "
               f"(recorded reason: {reason!r}).\n"
-              f"32-layer MLP at batch 1 on the CPU: eager {eager:.0f} us/call, through "
-              f"autograph {graphed:.0f} us/call (the wrapper's own cost is the difference).\n"
+              f"32-layer MLP at batch 1 on the CPU: eager {us['eager']:.0f} us/call, through "
+              f"autograph {us['autograph']:.0f} us/call (the difference, "
+              f"{us['autograph'] - us['eager']:+.0f} us, is the wrapper's own cost and the "
+              f"noise of this machine).\n"
               "On a CUDA GPU the same command captures the MLP into a CUDA graph and shows "
               "the launch overhead it removes.")
         return
-    model = mlp()
-    step = autograph.graphed(mlp())
+    dev = device()  # "cpu" only in a smoke run of this code (AUTOGRAPH_BENCH_SMOKE=1)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    model = mlp(device=dev, dtype=dtype)
+    step = autograph.graphed(mlp(device=dev, dtype=dtype))
     step.load_state_dict(model.state_dict())
-    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
+    x = torch.randn(1, 512, device=dev, dtype=dtype)
+    emulation = autograph.testing.emulate_graphs_on_cpu() if dev != "cuda" else \
+        contextlib.nullcontext()
+    with torch.no_grad(), emulation:
         hand = hand_written(model, [x])
-        calls = [("eager", lambda: model(x)), ("hand-written capture/replay", lambda: hand(x)),
-                 ("autograph.graphed", lambda: step(x))]
-        rows = [{"variant": name, "us/call": f"{per_call_us(call):.1f}"} for name, call in calls]
+        us = side_by_side({"eager": lambda: model(x),
+                           "hand-written capture/replay": lambda: hand(x),
+                           "autograph.graphed": lambda: step(x)})
         same = torch.equal(step(x), model(x))
-    print(f"32-layer Linear(512)+GELU MLP, batch 1, bf16, on {torch.cuda.get_device_name()}"
-          f" (torch {torch.__version__}):\n")
-    print(format_rows(rows, ["variant", "us/call"]))
-    print(f"\nautograph's output equals eager bitwise: {same}.")
+    eager = us["eager"]
+    rows = [{"variant": name, "us/call": f"{value:.1f}", "speedup": f"{eager / value:.2f}x"}
+            for name, value in us.items()]
+    where = torch.cuda.get_device_name() if dev == "cuda" else "the CPU (smoke run)"
+    print(f"32-layer Linear(512)+GELU MLP, batch 1, {str(dtype).replace('torch.', '')}, on "
+          f"{where} (torch {torch.__version__}); us per call, median of 7 interleaved runs "
+          f"of 200 calls:\n")
+    print(format_rows(rows, ["variant", "us/call", "speedup"]))
+    hand_us, graphed_us = us["hand-written capture/replay"], us["autograph.graphed"]
+    print(f"\nautograph's own cost over the hand-written loop: {graphed_us - hand_us:+.1f} us "
+          f"per call ({graphed_us / hand_us:.3f}x).")
+    print(f"autograph's output equals eager bitwise: {same}.\n")
     autograph.report()

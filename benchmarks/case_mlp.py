@@ -1,0 +1,53 @@
+"""(a) A 32-layer Linear(512)+GELU MLP at batch 1 in bf16: eager, a hand-written
+capture/replay loop, make_graphed_callables, autograph (module and function), and
+torch.compile(mode="reduce-overhead"). About 20 s on an H200 (compile 5 s of it)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import autograph
+from autograph._bench import compile_for_bench, device, hand_written, mlp, progress, sync, \
+    timed, with_ratio
+
+NAME = "(a) MLP 32x512 bf16, batch 1"
+
+
+def compiled(fn, example, calls=3):
+    """torch.compile(mode="reduce-overhead") and the time of its first ``calls`` calls."""
+    import time
+
+    compiled_fn = compile_for_bench(fn, mode="reduce-overhead")
+    start = time.perf_counter()
+    for _ in range(calls):
+        compiled_fn(*example)
+    sync()
+    return compiled_fn, time.perf_counter() - start
+
+
+def case_mlp(rows, with_compile):
+    dev = device()
+    model = mlp(device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
+    x = torch.randn(1, 512, device=dev, dtype=next(model.parameters()).dtype)
+    with torch.no_grad():
+        timed(rows, NAME, "eager", lambda: model(x), kind="eager")
+        hand = hand_written(model, [x])
+        hand_us = timed(rows, NAME, "hand-written capture/replay", lambda: hand(x), kind="hand")
+        if dev == "cuda":
+            mgc = torch.cuda.make_graphed_callables(copy.deepcopy(model), (x.clone(),))
+            timed(rows, NAME, "make_graphed_callables", lambda: mgc(x), kind="hand")
+        graphed_module = autograph.graphed(copy.deepcopy(model))
+        us = timed(rows, NAME, "autograph.graphed(module)", lambda: graphed_module(x),
+                   kind="autograph")
+        with_ratio(rows, us, hand_us)
+        inner = copy.deepcopy(model)
+        step = autograph.graphed(lambda x: inner(x))
+        us = timed(rows, NAME, "autograph.graphed(function)", lambda: step(x), kind="autograph")
+        with_ratio(rows, us, hand_us)
+        assert torch.equal(graphed_module(x), model(x)) and torch.equal(step(x), model(x))
+        if with_compile:
+            progress("compiling (reduce-overhead)")
+            fn, seconds = compiled(copy.deepcopy(model), (x,))
+            timed(rows, NAME, 'torch.compile("reduce-overhead")', lambda: fn(x),
+                  note=f"first 3 calls {seconds:.1f} s", kind="compile")
