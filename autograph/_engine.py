@@ -6,10 +6,10 @@
 A call is keyed (``_keys``) and finds its entry (``_entry``). The hot path is a replay: the
 entry has a graph that may still replay (no tensor it reads by address was freed, no argument
 it writes shares memory with another, no earlier call's backward still needs a training graph's
-activations) and the call copies in, replays and copies out.
-Everything else is a step of the key's life: a new key is first checked for reasons it can
-never be graphed (no CUDA, CPU or unusual tensors); its first ``warmup``
-calls run eagerly; the next call records the graph (``_graph``) and replays it once; a key
+activations) and the call copies in, replays and copies out. Everything else is a step of the
+key's life: a new key is first checked for reasons it can never be graphed (no CUDA, CPU or
+unusual tensors); its first ``warmup`` calls run eagerly; the next call records the graph
+(``_graph``, or ``_training`` when its outputs need gradients) and replays it once; a key
 whose graph was invalidated is captured again. Every call runs the function's GPU work
 exactly once, whichever step it hits. One re-entrant lock per cache (per instance, for
 methods) is held from the key lookup to the copy of the outputs.
@@ -358,9 +358,6 @@ class Engine:
                 entry.warmups += 1
                 return outputs
             outputs = self._watched_warmup(entry, c)
-        if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
-                                           for o in flatten_output(outputs)[0]):
-            entry.trains = True  # a closed-over parameter needs gradients
         entry.phase = CAPTURE
         return outputs
 
@@ -374,6 +371,9 @@ class Engine:
         entry.warmups += 1
         entry.uses_cudnn = detector.uses_cudnn
         entry.written = watch.written_arguments(c.tensors)
+        if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
+                                           for o in flatten_output(outputs)[0]):
+            entry.trains = True  # a closed-over parameter needs gradients
         return outputs
 
     def _record(self, entry: Entry, c: "Call") -> Graph:

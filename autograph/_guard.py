@@ -279,7 +279,12 @@ def _composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     keys = [torch._C._dispatch_keys(t) for t in _tensors((*args, *kwargs.values()))]
     if not keys or any(k.has(torch._C.DispatchKey.Python) for k in keys):
         return None
-    return functools.reduce(operator.or_, keys) & _BELOW_PYTHON
+    below = functools.reduce(operator.or_, keys) & _BELOW_PYTHON
+    # An op with a kernel of its own for these tensors (silu_backward) is no composite here:
+    # run whole, it stays visible to the modes below this one (the CPU emulation's recorder).
+    if torch._C._dispatch_has_kernel_for_any_dispatch_key(func.name(), below):
+        return None
+    return below
 
 
 _local = threading.local()

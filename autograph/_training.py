@@ -21,8 +21,14 @@ The graph keeps the forward's activations (its saved tensors) in the pool for th
 life, so other graphs of the pool never reuse them; one graph holds one call's activations,
 so a call made while the previous call's backward may still run (two forwards, then one
 backward; ``retain_graph=True``) runs eagerly instead (``busy``). A key whose forward ran a
-backward itself (a whole training step that returns its loss undetached) gets no backward
-graph: it replays as a ``Graph`` does, its outputs detached.
+backward itself (a whole training step that returns its loss undetached), or whose outputs
+need no gradient, gets no backward graph: it replays as a ``Graph`` does, outputs detached.
+
+A key runs eagerly, said once, when its backward cannot be graphed faithfully: the guard
+stops the backward's capture (``.item()`` in a custom backward), its forward uses saved-tensor
+hooks (``torch.utils.checkpoint``; recomputation is Python) or runs inside them, it reads a
+tensor computed with gradients outside the call, it writes in place to an argument that
+requires grad, or it is bucketed. Double backward through a replay raises with the fix.
 """
 from __future__ import annotations
 
@@ -61,21 +67,26 @@ def _refused(reason: str) -> CaptureFailed:
     return CaptureFailed(Refusal("", reason))
 
 
-try:
-    _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-    _top_hooks(True)
-except (AttributeError, TypeError):  # older torch: no argument
-    def _user_saved_tensor_hooks() -> bool:
-        return torch._C._autograd._top_saved_tensors_default_hooks() is not None
-else:
-    def _user_saved_tensor_hooks() -> bool:
-        """Whether saved-tensor hooks (checkpoint, ``save_on_cpu``) wrap this call.
+_WRITES_TRAINED = ("it writes in place to an argument that requires grad, which a graphed "
+                   "backward cannot follow. Write to a copy (x = x.clone()) or run it eagerly")
 
-        >>> with torch.autograd.graph.save_on_cpu():
-        ...     _user_saved_tensor_hooks()
-        True
-        """
-        return _top_hooks(True) is not None
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+try:
+    _top_hooks(True)
+    _TOP_HOOKS_ARGS: tuple = (True,)  # True: also while compiled autograd traces
+except TypeError:  # older torch takes no argument
+    _TOP_HOOKS_ARGS = ()
+
+
+def _user_saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks (checkpoint, offloading) apply to what runs now.
+
+    >>> with torch.autograd.graph.save_on_cpu():
+    ...     _user_saved_tensor_hooks()
+    True
+    """
+    return _top_hooks(*_TOP_HOOKS_ARGS) is not None
 
 
 class _ForwardWatch(TorchDispatchMode):
@@ -138,6 +149,12 @@ def _prepare_backward_thread(device: int, cudnn: bool) -> None:
 
 
 def _capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[Finding]:
+    """What stopped a capture, as ``Graph.record`` reads it: the guard's finding, a capture
+    error of CUDA's, or None (no failure, or the function's own exception).
+
+    >>> _capture_failure(detector, backend.capture(run, 0, pool.handle))
+    Finding(operation='.item()', consequence='synchronises with the host', ...)
+    """
     finding = detector.finding
     for error in (capture.error, capture.hard_error):
         if finding is None and error is not None:
@@ -148,12 +165,16 @@ def _capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[F
 
 
 class _Backward:
-    """A key's backward graph and the static tensors around it."""
+    """A key's backward graph and the static tensors around it.
+
+    >>> grads = backward.replay(incoming, needed)    # copy in, replay, fresh gradients
+    """
 
     def __init__(self, capture: Capture, outputs: List[Tensor], needs: List[bool],
                  grad_outputs: List[Tensor], trained: List[int], leaves: List[Tensor],
                  frozen: List[Tensor], survey: Survey):
         self.graph = capture.graph
+        self.seconds, self.memory_bytes = capture.seconds, capture.memory_bytes
         # The forward's outputs keep its autograd graph, and so its activations, alive: the
         # pool must not hand their memory to another graph.
         self.outputs = outputs
@@ -165,15 +186,16 @@ class _Backward:
         self.frozen = [(weakref.ref(t), survey.name(t)) for t in frozen]
 
     def changed(self) -> Optional[str]:
-        """Which leaf no longer fits the backward graph (freed, or requires_grad switched)."""
+        """Which leaf no longer fits the backward graph: freed, or a parameter unfrozen whose
+        gradient the graph does not compute. (A leaf frozen since capture still gets its
+        gradient computed, and autograd drops it, as its Function input needs none.)"""
         for ref, name in self.leaves:
-            leaf = ref()
-            if leaf is None or not leaf.requires_grad:
-                return f"{name} ({'freed' if leaf is None else 'requires_grad turned off'})"
+            if ref() is None:
+                return f"{name} (freed)"
         for ref, name in self.frozen:
             leaf = ref()
             if leaf is not None and leaf.requires_grad:
-                return f"{name} (requires_grad turned on)"
+                return f"{name}.requires_grad (turned on since capture)"
         return None
 
     def replay(self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool]
@@ -250,13 +272,13 @@ class TrainingGraph(Graph):
 
     def __init__(self, capture: Capture, inputs: InputPlan, outputs: OutputPlan, pool: Any,
                  external: Dict[int, Tensor], survey: Survey, grads: GradSlots, label: str,
-                 backward: Optional[_Backward] = None, backward_capture: Any = None):
+                 backward: Optional[_Backward] = None):
         super().__init__(capture, inputs, outputs, pool, external, survey, grads)
         self.label = label
         self.backward = backward
-        if backward_capture is not None:
-            self.capture_seconds += backward_capture.seconds
-            self.memory_bytes += backward_capture.memory_bytes
+        if backward is not None:
+            self.capture_seconds += backward.seconds
+            self.memory_bytes += backward.memory_bytes
         self.last_call: Optional[Callable[[], Any]] = None
         self._said_busy = False
 
@@ -280,7 +302,8 @@ class TrainingGraph(Graph):
                 "torch.autograd.graph.save_on_cpu wrapping it), and a graph keeps its "
                 "activations in its own memory. Checkpoint inside the module instead, or "
                 "call it outside those hooks")
-        inputs = InputPlan(tensors, None, addressed)
+        with torch.no_grad():  # statics are leaves, not copies with the caller's history
+            inputs = InputPlan(tensors, None, addressed)
         trained = [i for i, t in enumerate(tensors) if t.requires_grad]
         for i in trained:
             if i in inputs.addressed:
@@ -324,7 +347,11 @@ class TrainingGraph(Graph):
         needs = [o.requires_grad for o in outputs.owned]
         if grads or not any(needs):
             # No backward to graph: the call ran its own (a whole step), or gradients reach
-            # its arguments only through outputs that are views of them.
+            # its arguments only through outputs that are views of them. It replays as a
+            # Graph, copying into plain statics and handing out detached outputs.
+            for i in trained:
+                if i not in inputs.addressed:
+                    inputs.statics[i].requires_grad_(False)
             outputs.owned[:] = [o.detach() for o in outputs.owned]
             return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label)
         if reads.hooked:
@@ -350,7 +377,7 @@ class TrainingGraph(Graph):
         backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs, trained,
                              leaves, list(reads.frozen.values()), survey)
         return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label,
-                   backward, backward_capture)
+                   backward)
 
     @staticmethod
     def _record_backward(backend: Any, device: int, pool: Any, uses_cudnn: bool,
@@ -431,6 +458,3 @@ class TrainingGraph(Graph):
                 self.label)
         return busy
 
-
-_WRITES_TRAINED = ("it writes in place to an argument that requires grad, which a graphed "
-                   "backward cannot follow. Write to a copy (x = x.clone()) or run it eagerly")
