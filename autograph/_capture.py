@@ -19,7 +19,7 @@ import gc
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional, Set
 
 import torch
 
@@ -166,6 +166,19 @@ class CudaGraphs:
             result.seconds = time.perf_counter() - started
             result.memory_bytes = max(0, self.reserved_bytes(device) - reserved_before)
         return result
+
+    def allocated_in_pool(self, pool: Any, device: int, addresses: List[int]) -> Set[int]:
+        """Which of these addresses lie in the memory of ``pool`` (from the allocator's
+        snapshot: a capture-time cost, taken only when there are addresses to sort)."""
+        if not addresses:
+            return set()
+        try:
+            segments = [(s["address"], s["address"] + s["total_size"])
+                        for s in torch.cuda.memory._snapshot(device)["segments"]
+                        if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
+        except (RuntimeError, KeyError, TypeError):  # a snapshot format this code does not know
+            return set()
+        return {a for a in addresses if any(lo <= a < hi for lo, hi in segments)}
 
     def free(self, device: int) -> None:
         """Wait for replays in flight, then give freed graph memory back to the device."""

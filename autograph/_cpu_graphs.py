@@ -28,7 +28,7 @@ import contextlib
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -353,6 +353,10 @@ class CpuGraphs:
             result.seconds = time.perf_counter() - started
             result.memory_bytes = recorder.pool_bytes()
         return result
+
+    def allocated_in_pool(self, pool: Any, device: int, addresses: List[int]) -> Set[int]:
+        """None: the recorder sees every tensor a recording makes."""
+        return set()
 
     def free(self, device: int) -> None:
         """Nothing to give back: the graphs' memory goes with the graphs."""

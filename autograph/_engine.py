@@ -370,6 +370,7 @@ class Engine:
             outputs = c.call(*c.args, **c.kwargs)
         entry.warmups += 1
         entry.uses_cudnn = detector.uses_cudnn
+        entry.warmup_thread = threading.get_ident()
         entry.written = watch.written_arguments(c.tensors)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in flatten_output(outputs)[0]):
@@ -386,10 +387,16 @@ class Engine:
         with nested_calls(), profile_range("capture", self.name, entry.label):
             graph = kind.record(c.call, c.args, c.kwargs, c.tensors, entry.backend,
                                 entry.device, pool, entry.options.outputs, label, roots,
-                                entry.uses_cudnn, c.padding, c.addressed)
+                                self._needs_cudnn_handle(entry), c.padding, c.addressed)
         logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
                     graph.memory_bytes / 2**20)
         return graph
+
+    @staticmethod
+    def _needs_cudnn_handle(entry: Entry) -> bool:
+        # The warmup's cuDNN ops made this thread's handle; another thread needs one made
+        # before its capture, and making it (a small convolution) costs a fraction of a second.
+        return entry.uses_cudnn and entry.warmup_thread != threading.get_ident()
 
     def _over_max_graphs(self, entry: Entry, cache: KeyCache) -> bool:
         if cache.graphs() < entry.options.max_graphs:

@@ -30,7 +30,7 @@ class Entry:
 
     __slots__ = ("label", "parts", "options", "backend", "device", "phase", "calls",
                  "eager_calls", "replays", "warmups", "recaptures", "reason", "strict_error",
-                 "graph", "written", "uses_cudnn", "strong_identities", "bucket", "sizes",
+                 "graph", "written", "uses_cudnn", "warmup_thread", "strong_identities", "bucket", "sizes",
                  "trains", "verify_left", "verified", "__weakref__")
 
     def __init__(self, label: str, parts: List[str], options: Options, backend: Any,
@@ -46,7 +46,8 @@ class Entry:
         self.strict_error: Optional[str] = None  # raised on every call under strict=True
         self.graph: Any = None
         self.written: List[int] = []  # arguments the warmup wrote to
-        self.uses_cudnn = False  # seen at warmup: the capture thread needs a cuDNN handle
+        self.uses_cudnn = False  # seen at warmup: a capture thread needs a cuDNN handle
+        self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed

@@ -47,6 +47,8 @@ class Graph:
         self.invalid_reason: Optional[str] = None
         self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey]] = (external, survey)
         self.grads = grads  # the .grad of leaves its backward writes, if it has one
+        self.handle = pool.handle  # the pool handle it was captured into
+        pool.graphs.add(self)
         self.watch: Optional[ReadWatch] = None
 
     @classmethod
@@ -92,10 +94,8 @@ class Graph:
             del capture
             raise error
         outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given)
-        graph = cls(capture, inputs, outputs, pool, watch.external, survey,
-                    GradSlots(survey, watch.written))
-        pool.graphs.add(graph)
-        return graph
+        return cls(capture, inputs, outputs, pool, watch.external, survey,
+                   GradSlots(survey, watch.written))
 
     def replay(self, tensors: Sequence[Tensor], padding: Any = None,
                copy_in: bool = True) -> Any:
@@ -124,7 +124,13 @@ class Graph:
         if self._unwatched is not None:
             external, survey = self._unwatched
             self._unwatched = None
-            self.watch = ReadWatch(self, external, survey)
+            # Buffers that compiled code allocates outside the dispatcher (Inductor's) reach
+            # the watch as if they were older than the capture: those in the graph's own pool
+            # are its memory, not state read by address.
+            own = self.pool.backend.allocated_in_pool(self.handle, self.pool.device,
+                                                      list(external))
+            self.watch = ReadWatch(self, {ptr: t for ptr, t in external.items()
+                                          if ptr not in own}, survey)
 
     def release(self) -> None:
         """Poison outputs still handed out; the graph and its memory go with this object."""

@@ -325,7 +325,7 @@ class TrainingGraph(Graph):
             with detector, watch, reads:
                 return call(*static_args, **static_kwargs)
 
-        capture = backend.capture(run_forward, device, pool.handle, uses_cudnn)
+        capture = backend.capture(run_forward, device, pool.handle_for_capture(), uses_cudnn)
         finding = _capture_failure(detector, capture)
         if finding is not None:
             raise CaptureFailed(finding)
