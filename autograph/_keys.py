@@ -30,7 +30,13 @@ _DTYPE_NAMES = {
 }
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_NO_AUTOCAST = (False, False)
+
+
 def _autocast_state() -> tuple:
+    if not _any_autocast():  # one C call on the common path, not four
+        return _NO_AUTOCAST
     # torch >= 2.4 takes a device type; the dtype only matters while autocast is on.
     cuda = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
     cpu = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")

@@ -77,6 +77,9 @@ class InputPlan:
                 i: torch.full_like(self.statics[i], spec[1])
                 for i, spec in enumerate(padding.dims) if spec is not None}
         self._recipes: Dict[int, Tuple[List[Tensor], List[Any], List[Tuple[int, int]]]] = {}
+        # The arguments copied in on every replay (those used by address are their statics).
+        self._copied = [i for i in range(len(self.statics)) if i not in self.addressed]
+        self._copied_statics = [self.statics[i] for i in self._copied]
         self.mutated: List[int] = []
         if padding is not None:
             self.copy_in(tensors, padding.rows)
@@ -113,17 +116,14 @@ class InputPlan:
         if rows is not None:
             self._copy_rows_in(tensors, rows)
             return
-        statics = self.statics
         if self.expanded is None:
-            dst, src = [], []
-            for static, t in zip(statics, tensors):
-                if t.data_ptr() != static.data_ptr():
-                    dst.append(static)
-                    src.append(t)
+            if self.addressed:
+                copy_all(self._copied_statics, [tensors[i] for i in self._copied])
+            else:
+                copy_all(self.statics, tensors)
         else:
-            dst = [_narrow_expanded(s, d) for s, d in zip(statics, self.expanded)]
-            src = [_narrow_expanded(t, d) for t, d in zip(tensors, self.expanded)]
-        copy_all(dst, src)
+            copy_all([_narrow_expanded(self.statics[i], self.expanded[i]) for i in self._copied],
+                     [_narrow_expanded(tensors[i], self.expanded[i]) for i in self._copied])
 
     def _copy_rows_in(self, tensors: Sequence[Tensor], rows: int) -> None:
         recipe = self._recipes.get(rows)
@@ -255,8 +255,8 @@ class OutputPlan:
             0, dtype=torch.uint8, device=o.device).set_(storage).clone().untyped_storage())
 
     def _aliases(self) -> List[Tensor]:
-        if self.pool is not None:
-            self.pool.static_plans.add(self)
+        if self.pool is not None and id(self) not in self.pool.static_plans:
+            self.pool.static_plans[id(self)] = weakref.ref(self)
         return self._on_new_storages(self._alias_storage)
 
     def _alias_storage(self, storage: Any, output: Tensor) -> Any:

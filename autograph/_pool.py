@@ -30,8 +30,9 @@ class Pool:
         self.handle = backend.new_pool(device)
         self.graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the live graphs in it
         # Output plans that handed out static aliases, held weakly: a plan dies with its
-        # graph, which poisons its own aliases then.
-        self.static_plans: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # graph, which poisons its own aliases then. A dict: its emptiness is one cheap test
+        # on every replay.
+        self.static_plans: Dict[int, "weakref.ref[Any]"] = {}
         self.last_stream: Any = None
         self.last_raw_stream: Optional[int] = None
 
@@ -50,8 +51,12 @@ class Pool:
     def before_replay(self) -> None:
         """Run before every replay (the capture call's included) of a graph of this pool."""
         if self.static_plans:
-            for plan in list(self.static_plans):
-                plan.poison()
+            for key, plan_ref in list(self.static_plans.items()):
+                plan = plan_ref()
+                if plan is None:
+                    del self.static_plans[key]
+                else:
+                    plan.poison()
         if self.backend.device_type == "cuda":
             self._order_after_last_stream()
 
