@@ -23,7 +23,7 @@ import torch
 import wrapt
 
 from ._config import Options, check_option_names
-from ._engine import Engine
+from ._engine import Engine, _is_compiling
 from ._stats import KeyStats
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -129,6 +129,12 @@ class GraphedForward:
         return self._self_function, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            # Inside a compiled model: the plainest call for Dynamo to trace (no bound-method
+            # making, no engine), as the engine would step aside anyway.
+            if self._self_bound:
+                return self._self_function(self._self_module(), *args, **kwargs)
+            return self._self_function(*args, **kwargs)
         forward, module = self._bound()
         return self._self_engine(forward, module, args, kwargs)
 
