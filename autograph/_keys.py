@@ -55,9 +55,10 @@ def execution_state(training: Any) -> tuple:
 
 
 def tensor_meta(t: Tensor) -> tuple:
-    if t.layout is not torch.strided:  # sparse tensors have no strides; they run eagerly
-        return (t.shape, t.layout, t.dtype, t.device, t.requires_grad)
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    try:
+        return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    except RuntimeError:  # sparse and nested tensors have no strides: they run eagerly
+        return (t.layout, t.dtype, t.device, t.requires_grad, t.dim())
 
 
 def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
@@ -268,6 +269,8 @@ def _output_builder(obj: Any, leaves: list, objects: Optional[set]
 
 def describe_tensor(t: Tensor, shape: Optional[torch.Size] = None) -> str:
     dtype = _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
+    if t.is_nested:
+        return f"{dtype} nested tensor of {t.dim()} dims {t.device}"
     text = f"{dtype}[{', '.join(map(str, t.shape if shape is None else shape))}] {t.device}"
     if t.layout is not torch.strided:
         text += f" {str(t.layout).replace('torch.', '')}"

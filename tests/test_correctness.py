@@ -233,6 +233,18 @@ def test_sparse_arguments_run_eagerly_with_the_reason(device):
     assert row.state == "eager" and "sparse" in row.fallback_reason
 
 
+def test_nested_arguments_run_eagerly_with_the_reason(device):
+    @autograph.graphed
+    def lengths(x):
+        return x.to_padded_tensor(0.0).sum(-1)
+
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], device=device)
+    for _ in range(3):
+        assert torch.equal(lengths(nested), torch.tensor([2.0, 3.0], device=device))
+    row, = lengths.stats()
+    assert row.state == "eager" and "nested" in row.fallback_reason
+
+
 def test_generator_and_async_functions_are_refused_at_decoration():
     def numbers(x):
         yield x
