@@ -17,7 +17,7 @@ import inspect
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, TypeVar, overload
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, overload
 
 import torch
 import wrapt
@@ -193,7 +193,10 @@ def graphed(fn: F) -> F: ...
 
 @overload
 def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
-            strict: Optional[bool] = ...) -> Callable[[F], F]: ...
+            strict: Optional[bool] = ..., buckets: Optional[Sequence[int]] = ...,
+            bucket_args: Optional[Dict[str, Any]] = ...,
+            static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
+            verify: Optional[int] = ...) -> Callable[[F], F]: ...
 
 
 def graphed(fn: Any = None, /, **options: Any) -> Any:
@@ -210,8 +213,12 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     (``"copy"``: the caller owns the outputs, the default; ``"static"``: the graph's buffers,
     valid until the next call, stale reads raise), ``max_graphs`` (graphs per function, or
     per instance for methods; later keys run eagerly, default 16), ``strict`` (raise
-    ``CaptureError`` instead of falling back; default from ``AUTOGRAPH_STRICT``). Options set
-    here win over those of an enclosing ``autograph.region``.
+    ``CaptureError`` instead of falling back; default from ``AUTOGRAPH_STRICT``), ``buckets``
+    (capture sizes a call's dynamic dimension is padded up to) and ``bucket_args`` (which
+    arguments, dims and pad values), ``static_argnames`` / ``static_argnums`` (tensors used by
+    address, never copied), ``verify`` (replays of each key checked against an eager run;
+    default from ``AUTOGRAPH_VERIFY``). Options set here win over those of an enclosing
+    ``autograph.region``. See the README's Options table.
     """
     check_option_names(options, "autograph.graphed")
     Options(**options)  # validate now, not at the first call
