@@ -23,6 +23,22 @@ from ._reads import CallWatch, GradSlots, ReadWatch, Survey
 Tensor = torch.Tensor
 
 
+def capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[Finding]:
+    """What stopped a capture: the guard's finding, a capture error of CUDA's, or None (no
+    failure, or the function's own exception, which the caller re-raises).
+
+    >>> capture_failure(detector, backend.capture(run, 0, pool.handle))
+    Finding(operation='.item()', consequence='synchronises with the host', ...)
+    """
+    finding = detector.finding
+    for error in (capture.error, capture.hard_error):
+        if finding is None and error is not None:
+            finding = classify_capture_error(error)
+    if finding is None and capture.hard_error is not None:
+        finding = Finding("the capture", f"failed: {capture.hard_error}")
+    return finding
+
+
 class CaptureFailed(Exception):
     """The key cannot be graphed; ``finding`` says why and where."""
 
@@ -76,12 +92,7 @@ class Graph:
                 return call(*static_args, **static_kwargs)
 
         capture = backend.capture(run, device, pool.handle_for_capture(), uses_cudnn)
-        finding = detector.finding
-        for error in (capture.error, capture.hard_error):
-            if finding is None and error is not None:
-                finding = classify_capture_error(error)
-        if finding is None and capture.hard_error is not None:
-            finding = Finding("the capture", f"failed: {capture.hard_error}")
+        finding = capture_failure(detector, capture)
         if finding is not None:
             raise CaptureFailed(finding)
         inputs.note_writes(before)

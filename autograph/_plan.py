@@ -282,6 +282,10 @@ class OutputPlan:
                      (self._aliases() if self.static else self._copies())]
         else:  # only the real rows are copied
             owned = [_real_rows(o, padding).clone() for o in self.owned]
+        return self.assemble(owned, tensors)
+
+    def assemble(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        """The call's return value from its owned outputs and its arguments."""
         if self.only_owned:
             return self.rebuild(owned)
         values = []

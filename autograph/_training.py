@@ -42,9 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._capture import Capture, _capture_stream
 from ._config import logger
-from ._graph import CaptureFailed, Graph
-from ._guard import (Finding, UnsafeOpDetector, classify_capture_error, location_in_traceback,
-                     location_of_caller)
+from ._graph import CaptureFailed, Graph, capture_failure
+from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._plan import InputPlan, OutputPlan, copy_all
 from ._reads import CallWatch, GradSlots, Survey, _tensors_in
 
@@ -148,22 +147,6 @@ def _prepare_backward_thread(device: int, cudnn: bool) -> None:
     _prepared.add((device, cudnn))
 
 
-def _capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[Finding]:
-    """What stopped a capture, as ``Graph.record`` reads it: the guard's finding, a capture
-    error of CUDA's, or None (no failure, or the function's own exception).
-
-    >>> _capture_failure(detector, backend.capture(run, 0, pool.handle))
-    Finding(operation='.item()', consequence='synchronises with the host', ...)
-    """
-    finding = detector.finding
-    for error in (capture.error, capture.hard_error):
-        if finding is None and error is not None:
-            finding = classify_capture_error(error)
-    if finding is None and capture.hard_error is not None:
-        finding = Finding("the capture", f"failed: {capture.hard_error}")
-    return finding
-
-
 class _Backward:
     """A key's backward graph and the static tensors around it.
 
@@ -247,26 +230,6 @@ class _Replay(torch.autograd.Function):
                 *graph.backward.replay(grads, ctx.needs_input_grad[3:]))
 
 
-def _assemble(plan: OutputPlan, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
-    """The call's return value from its owned outputs (the Function's) and its arguments."""
-    if plan.only_owned:
-        return plan.rebuild(list(owned))
-    values = []
-    for entry in plan.plan:
-        kind = entry[0]
-        if kind == "own":
-            values.append(owned[entry[1]])
-        elif kind == "arg":
-            values.append(tensors[entry[1]])
-        elif kind == "view":
-            _, i, size, stride, offset = entry
-            values.append(tensors[i].as_strided(size, stride,
-                                                tensors[i].storage_offset() + offset))
-        else:
-            values.append(entry[1])
-    return plan.rebuild(values)
-
-
 class TrainingGraph(Graph):
     """A key's forward graph and backward graph, tied by an ``autograd.Function``."""
 
@@ -326,7 +289,7 @@ class TrainingGraph(Graph):
                 return call(*static_args, **static_kwargs)
 
         capture = backend.capture(run_forward, device, pool.handle_for_capture(), uses_cudnn)
-        finding = _capture_failure(detector, capture)
+        finding = capture_failure(detector, capture)
         if finding is not None:
             raise CaptureFailed(finding)
         if capture.error is not None and "leaf Variable that requires grad" in str(
@@ -403,7 +366,7 @@ class TrainingGraph(Graph):
         # modes under it, so the CPU emulation's recorder must see each op before the guard.
         with detector:
             capture = backend.capture(run_backward, device, pool.handle, uses_cudnn)
-        finding = _capture_failure(detector, capture)
+        finding = capture_failure(detector, capture)
         if finding is None and capture.error is not None:
             location, source = location_in_traceback(capture.error.__traceback__)
             if source == "":  # raised inside torch: name the user's call instead
@@ -425,7 +388,7 @@ class TrainingGraph(Graph):
         differentiable = [tensors[i] for i in backward.trained]
         differentiable += [ref() for ref, _ in backward.leaves]
         owned = _Replay.apply(self, tensors, copy_in, *differentiable)
-        return _assemble(self.outputs, owned, tensors)
+        return self.outputs.assemble(owned, tensors)
 
     def replay_forward(self, tensors: Sequence[Tensor], copy_in: bool) -> List[Tensor]:
         """Copy in, replay the forward graph, copy written arguments back; fresh outputs."""
