@@ -16,6 +16,7 @@ methods) is held from the key lookup to the copy of the outputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import sys
@@ -194,6 +195,8 @@ class Engine:
         if options is not self.options and options != self.options:
             key = (key, options)
         with cache.lock:
+            if cache.dead_keys:
+                cache.forget_dead()
             padding = reason = None
             if options.buckets is not None:
                 key, padding, reason = cache.routes.get(key) or self._route(
@@ -371,6 +374,10 @@ class Engine:
         entry.warmups += 1
         entry.uses_cudnn = detector.uses_cudnn
         entry.warmup_thread = threading.get_ident()
+        if c.padding is not None:
+            entry.warmup_shapes = [c.padding.rows, [
+                tuple(o.shape) if isinstance(o, Tensor) else None
+                for o in flatten_output(outputs)[0]]]
         entry.written = watch.written_arguments(c.tensors)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in flatten_output(outputs)[0]):
@@ -387,7 +394,8 @@ class Engine:
         with nested_calls(), profile_range("capture", self.name, entry.label):
             graph = kind.record(c.call, c.args, c.kwargs, c.tensors, entry.backend,
                                 entry.device, pool, entry.options.outputs, label, roots,
-                                self._needs_cudnn_handle(entry), c.padding, c.addressed)
+                                self._needs_cudnn_handle(entry), c.padding, c.addressed,
+                                entry.warmup_shapes)
         logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
                     graph.memory_bytes / 2**20)
         return graph
@@ -451,27 +459,29 @@ class Engine:
         names = self.method_names if self.per_instance and instance is not None else self.names
         state = execution_state(instance.training if isinstance(instance, torch.nn.Module)
                                 else None)
-        examples = [(args, kwargs)]
+        examples: List[Tuple[tuple, dict, Optional[Padding]]] = [(args, kwargs, None)]
         if options.buckets is not None:
             examples = self._bucket_examples(options, names, args, kwargs, state)
         rows = []
         started = time.perf_counter()
-        for example_args, example_kwargs in progress(examples, f"capturing {self.name}"):
+        for example_args, example_kwargs, padding in progress(examples,
+                                                              f"capturing {self.name}"):
             key, tensors, identities, addressed = call_key(
                 example_args, example_kwargs, state, names, options.static_argnames,
                 options.static_argnums)
             if options is not self.options and options != self.options:
                 key = (key, options)
+            if padding is not None:
+                # The example's own choice of padded tensors at every size (the default rule
+                # could add one whose dim happens to equal a bucket), as real calls make it.
+                key = padded_key(key, padding)
             with cache.lock:
-                padding = reason = None
-                if options.buckets is not None:
-                    key, padding, reason = cache.routes.get(key) or self._route(
-                        cache, key, options, names, example_args, example_kwargs, tensors,
-                        addressed)
+                if cache.dead_keys:
+                    cache.forget_dead()
                 c = Call(call, instance, example_args, example_kwargs, names, tensors,
                          addressed, padding, region, cache, state)
                 entry = cache.entries.get(key) or self._new_entry(cache, key, c, identities,
-                                                                  options, reason)
+                                                                  options, None)
                 if entry.graph is None and entry.phase in (WARMUP, CAPTURE):
                     self._capture_without_effects(entry, c)
                 rows.append(entry.stats(cache.name))
@@ -482,8 +492,9 @@ class Engine:
         return rows
 
     def _bucket_examples(self, options: Options, names: List[str], args: tuple,
-                         kwargs: dict, state: tuple) -> List[Tuple[tuple, dict]]:
-        """The example call resized to every bucket, largest first."""
+                         kwargs: dict, state: tuple
+                         ) -> List[Tuple[tuple, dict, Optional[Padding]]]:
+        """The example call resized to every bucket, largest first, with its padding."""
         _, tensors, _, addressed = call_key(args, kwargs, state, names,
                                             options.static_argnames, options.static_argnums)
         padding, reason = BucketRule(options.buckets, options.bucket_args).padding(
@@ -496,9 +507,11 @@ class Engine:
             resized = resized_examples(tensors, padding, size)
             leaves, rebuild = flatten_arguments((args, kwargs))
             index = iter(range(len(tensors)))
-            examples.append(rebuild([resized.get(next(index), leaf)
-                                     if isinstance(leaf, Tensor) else leaf
-                                     for leaf in leaves]))
+            resized_args, resized_kwargs = rebuild([resized.get(next(index), leaf)
+                                                    if isinstance(leaf, Tensor) else leaf
+                                                    for leaf in leaves])
+            examples.append((resized_args, resized_kwargs,
+                             dataclasses.replace(padding, rows=size, bucket=size)))
         return examples
 
     def _capture_without_effects(self, entry: Entry, c: "Call") -> None:
@@ -560,6 +573,8 @@ class Engine:
         options = self.region_options.get(region.options_key)
         if options is None:
             options = Options(**{**region.explicit, **self.explicit})
+            if options == self.options:
+                options = self.options  # so that a call tests identity, not nine fields
             self.region_options[region.options_key] = options
         return options
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from ._config import Options
 from ._pool import Pools
@@ -30,8 +30,9 @@ class Entry:
 
     __slots__ = ("label", "parts", "options", "backend", "device", "phase", "calls",
                  "eager_calls", "replays", "warmups", "recaptures", "reason", "strict_error",
-                 "graph", "written", "uses_cudnn", "warmup_thread", "strong_identities", "bucket", "sizes",
-                 "trains", "verify_left", "verified", "__weakref__")
+                 "graph", "written", "uses_cudnn", "warmup_thread", "strong_identities",
+                 "identity_ids", "bucket", "sizes", "trains", "verify_left", "verified",
+                 "warmup_shapes", "__weakref__")
 
     def __init__(self, label: str, parts: List[str], options: Options, backend: Any,
                  device: int, bucket: Optional[int] = None):
@@ -49,6 +50,10 @@ class Entry:
         self.uses_cudnn = False  # seen at warmup: a capture thread needs a cuDNN handle
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
+        self.identity_ids: List[int] = []  # ids of the objects it keys by identity, held weakly
+        # The output shapes of the watched warmup, run at the call's real size: for a bucket,
+        # they tell which outputs follow the padded dimension.
+        self.warmup_shapes: Optional[List[Any]] = None
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
         self.sizes: Dict[int, int] = {}  # a bucket's calls by their real size
@@ -68,6 +73,13 @@ class Entry:
             verified=self.verified)
 
 
+def _object_died(cache_ref: "weakref.ref[KeyCache]", object_id: int, keys: Set[Any]) -> None:
+    cache = cache_ref()
+    if cache is not None:
+        cache._watchers.pop(object_id, None)
+        cache.dead_keys.extend(keys)
+
+
 class KeyCache:
     """The keys of one graphed function, or of one instance for a graphed method."""
 
@@ -80,19 +92,44 @@ class KeyCache:
         self.lock = threading.RLock()
         self.pools = Pools()
         self.said: set = set()  # notices given once per cache
-        self._dead_keys: List[Any] = []
+        # Keys whose identity-keyed object died: forgotten before the next lookup, so that a
+        # new object reusing the dead one's id never meets its graph.
+        self.dead_keys: List[Any] = []
+        # One finalizer per live identity-keyed object, with the keys that name it.
+        self._watchers: Dict[int, Tuple[Any, Set[Any]]] = {}
 
     def add(self, key: Any, entry: Entry, identities: list) -> Entry:
-        self._forget_dead()
+        self.forget_dead()
         for obj in identities:
-            try:
-                weakref.finalize(obj, self._dead_keys.append, key)
-            except TypeError:
-                entry.strong_identities.append(obj)
+            watcher = self._watchers.get(id(obj))
+            if watcher is None:
+                try:
+                    keys: Set[Any] = set()
+                    watcher = self._watchers[id(obj)] = (weakref.finalize(
+                        obj, _object_died, weakref.ref(self), id(obj), keys), keys)
+                except TypeError:
+                    entry.strong_identities.append(obj)
+                    continue
+            watcher[1].add(key)
+            entry.identity_ids.append(id(obj))
         self.entries[key] = entry
         if len(self.entries) > self.max_keys:
             self._evict()
         return entry
+
+    def _drop(self, key: Any) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return
+        if entry.graph is not None:
+            entry.graph.release()
+        for object_id in entry.identity_ids:
+            watcher = self._watchers.get(object_id)
+            if watcher is not None:
+                watcher[1].discard(key)
+                if not watcher[1]:
+                    watcher[0].detach()
+                    del self._watchers[object_id]
 
     def graphs(self) -> int:
         return sum(e.graph is not None for e in self.entries.values())
@@ -102,17 +139,18 @@ class KeyCache:
         for key in [k for k, e in self.entries.items() if e.graph is None]:
             if len(self.entries) <= self.max_keys:
                 break
-            del self.entries[key]
+            self._drop(key)
 
-    def _forget_dead(self) -> None:
-        while self._dead_keys:
-            entry = self.entries.pop(self._dead_keys.pop(), None)
-            if entry is not None and entry.graph is not None:
-                entry.graph.release()
+    def forget_dead(self) -> None:
+        """Drop the keys of identity-keyed objects that died (and routes, which may name them)."""
+        if self.dead_keys:
+            self.routes.clear()
+        while self.dead_keys:
+            self._drop(self.dead_keys.pop())
 
     def stats(self) -> List[KeyStats]:
         with self.lock:
-            self._forget_dead()
+            self.forget_dead()
             return [entry.stats(self.name) for entry in self.entries.values()]
 
     def release(self) -> List[int]:
@@ -126,5 +164,8 @@ class KeyCache:
             self.routes.clear()
             self.pools.clear()
             self.said.clear()
-            self._dead_keys.clear()
+            self.dead_keys.clear()
+            for finalizer, _ in self._watchers.values():
+                finalizer.detach()
+            self._watchers.clear()
             return sorted(devices)

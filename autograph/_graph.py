@@ -11,13 +11,15 @@ address). Nothing runs on the GPU: a caller that wants this call's effects repla
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import dataclasses
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ._capture import Capture
 from ._guard import Finding, UnsafeOpDetector, classify_capture_error
-from ._plan import InputPlan, OutputPlan
+from ._plan import InputPlan, OutputPlan, UnplannableOutput
 from ._reads import CallWatch, GradSlots, ReadWatch, Survey
 
 Tensor = torch.Tensor
@@ -37,6 +39,18 @@ def capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[Fi
     if finding is None and capture.hard_error is not None:
         finding = Finding("the capture", f"failed: {capture.hard_error}")
     return finding
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal(Finding):
+    """Why a key cannot be graphed, about the call as a whole rather than one line.
+
+    >>> Refusal("", "its arguments are padded to a bucket, ...").message()
+    'its arguments are padded to a bucket, ...'
+    """
+
+    def message(self) -> str:
+        return self.consequence
 
 
 class CaptureFailed(Exception):
@@ -71,7 +85,8 @@ class Graph:
     def record(cls, call: Callable, args: tuple, kwargs: dict, tensors: Sequence[Tensor],
                backend: Any, device: int, pool: Any, policy: str, label: str,
                roots: Sequence[Tuple[str, Any]], uses_cudnn: bool = False,
-               padding: Any = None, addressed: Sequence[int] = ()) -> "Graph":
+               padding: Any = None, addressed: Sequence[int] = (),
+               warmup_shapes: Optional[List[Any]] = None) -> "Graph":
         """Capture ``call`` on static copies of the arguments; nothing of it runs yet.
 
         Raises ``CaptureFailed`` when the guard or CUDA rejects the capture (nothing of the
@@ -104,7 +119,11 @@ class Graph:
             # garbage collection that could land inside another capture.
             del capture
             raise error
-        outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given)
+        try:
+            outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given,
+                                 padding, warmup_shapes)
+        except UnplannableOutput as refused:
+            raise CaptureFailed(Refusal("", str(refused))) from None
         return cls(capture, inputs, outputs, pool, watch.external, survey,
                    GradSlots(survey, watch.written))
 

@@ -76,7 +76,7 @@ class InputPlan:
             self.templates = {} if padding is None else {
                 i: torch.full_like(self.statics[i], spec[1])
                 for i, spec in enumerate(padding.dims) if spec is not None}
-        self._recipes: Dict[int, Tuple[List[Tensor], List[Any], List[Tuple[int, int]]]] = {}
+        self._recipes: Dict[int, Tuple[List[Tensor], List[Any], List[Tuple[int, int, Any]]]] = {}
         # The arguments copied in on every replay (those used by address are their statics).
         self._copied = [i for i in range(len(self.statics)) if i not in self.addressed]
         self._copied_statics = [self.statics[i] for i in self._copied]
@@ -131,27 +131,29 @@ class InputPlan:
             recipe = self._recipes[rows] = self._recipe(rows)
         dst, fixed, sources = recipe
         src = list(fixed)
-        for position, index in sources:
-            src[position] = tensors[index]
+        for position, index, dims in sources:
+            src[position] = _narrow_expanded(tensors[index], dims) if dims else tensors[index]
         copy_all(dst, src)
 
-    def _recipe(self, rows: int) -> Tuple[List[Tensor], List[Any], List[Tuple[int, int]]]:
+    def _recipe(self, rows: int) -> Tuple[List[Tensor], List[Any], List[Tuple[int, int, Any]]]:
         """For calls of ``rows`` rows: the destinations, the fixed sources (pad rows) and
-        where each argument goes, so that a call builds one ``_foreach_copy_``."""
+        where each argument goes (narrowed where it is expanded), so that a call builds one
+        ``_foreach_copy_``."""
         dst: List[Tensor] = []
         fixed: List[Any] = []
-        sources: List[Tuple[int, int]] = []
+        sources: List[Tuple[int, int, Any]] = []
         for i, static in enumerate(self.statics):
             if i in self.addressed:
                 continue
             spec = self.padding.dims[i]
             if spec is None:
-                sources.append((len(dst), i))
-                dst.append(static)
+                dims = self.expanded[i] if self.expanded else ()
+                sources.append((len(dst), i, dims))
+                dst.append(_narrow_expanded(static, dims))
                 fixed.append(None)
                 continue
             dim = spec[0]
-            sources.append((len(dst), i))
+            sources.append((len(dst), i, ()))
             dst.append(static.narrow(dim, 0, rows))
             fixed.append(None)
             if rows < static.shape[dim]:
@@ -170,12 +172,37 @@ class InputPlan:
         copy_all([p[0] for p in pairs], [p[1] for p in pairs])
 
 
+class UnplannableOutput(ValueError):
+    """An output the plan cannot rebuild on every call; the message says why and the fix."""
+
+
+def _follows_the_bucket(leaves: Sequence[Any], padding: Any,
+                        warmup_shapes: Optional[List[Any]]) -> List[bool]:
+    """Which outputs have the padded dimension, to slice back to a call's real rows.
+
+    The last warmup ran at its call's real size: an output whose dimension had that size then
+    and has the bucket's size now follows the bucket. Where the warmup ran at the bucket's
+    own size (or its outputs differ in number) an output follows when its dimension has the
+    bucket's size, which an unrelated dimension can equal by chance (README, Serving).
+    """
+    if padding is None:
+        return [False] * len(leaves)
+    dim, bucket = padding.out_dim, padding.bucket
+
+    def has_bucket_size(shape: Any) -> bool:
+        return len(shape) > dim and shape[dim] == bucket
+
+    shapes = [tuple(leaf.shape) if isinstance(leaf, Tensor) else None for leaf in leaves]
+    warm_rows = warmup_shapes[0] if warmup_shapes else None
+    if warm_rows is None or warm_rows == bucket or len(warmup_shapes[1]) != len(shapes):
+        return [s is not None and has_bucket_size(s) for s in shapes]
+    return [s is not None and w is not None and has_bucket_size(s) and len(w) > dim
+            and w[dim] == warm_rows for s, w in zip(shapes, warmup_shapes[1])]
+
+
 def _real_rows(output: Tensor, padding: Any) -> Tensor:
-    """A bucket's output sliced back to the call's rows, where it has the bucket's size."""
-    dim = padding.out_dim
-    if output.dim() > dim and output.shape[dim] == padding.bucket:
-        return output.narrow(dim, 0, padding.rows)
-    return output
+    """A bucket's output sliced back to the call's real rows."""
+    return output.narrow(padding.out_dim, 0, padding.rows)
 
 
 def _poison(storages: List[Any], message: str) -> None:
@@ -188,14 +215,19 @@ class OutputPlan:
     """How to turn the graph's outputs into this call's return value."""
 
     def __init__(self, result: Any, statics: Sequence[Tensor], policy: str, label: str,
-                 pool: Any = None, given: Sequence[Any] = ()):
+                 pool: Any = None, given: Sequence[Any] = (), padding: Any = None,
+                 warmup_shapes: Optional[List[Any]] = None):
         leaves, self.rebuild = flatten_output(result, given)
         input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
+        padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
+                                                 if spec is not None}
+        follows = _follows_the_bucket(leaves, padding, warmup_shapes)
         self.plan: List[Tuple] = []
         self.owned: List[Tensor] = []
+        self.follows: List[bool] = []  # per owned output: sliced back to a call's real rows
         storages = set()
         self.shared = False
-        for leaf in leaves:
+        for leaf, leaf_follows in zip(leaves, follows):
             if not isinstance(leaf, Tensor):
                 self.plan.append(("const", leaf))
                 continue
@@ -204,6 +236,11 @@ class OutputPlan:
                 self.plan.append(("arg", index))
             elif leaf.numel() and storage_ptr(leaf) in input_storages:
                 i = input_storages[storage_ptr(leaf)]
+                if i in padded:
+                    raise UnplannableOutput(
+                        "it returns a view of an argument padded to a bucket, whose layout "
+                        "differs from call to call; return a copy (.clone()) or name the "
+                        "arguments to pad with bucket_args")
                 offset = leaf.storage_offset() - statics[i].storage_offset()
                 self.plan.append(("view", i, leaf.size(), leaf.stride(), offset))
             else:
@@ -211,6 +248,7 @@ class OutputPlan:
                 self.shared |= leaf.numel() > 0 and storage_ptr(leaf) in storages
                 storages.add(storage_ptr(leaf))
                 self.owned.append(leaf)
+                self.follows.append(leaf_follows)
         self.only_owned = all(p[0] == "own" for p in self.plan)
         self.static = (policy == "static" and _CAN_POISON and bool(self.owned)
                        and self.owned[0].is_cuda)
@@ -278,10 +316,11 @@ class OutputPlan:
         if padding is None or padding.rows == padding.bucket:
             owned = self._aliases() if self.static else self._copies()
         elif self.static or self.shared:
-            owned = [_real_rows(o, padding) for o in
-                     (self._aliases() if self.static else self._copies())]
+            owned = [_real_rows(o, padding) if follows else o for o, follows in
+                     zip(self._aliases() if self.static else self._copies(), self.follows)]
         else:  # only the real rows are copied
-            owned = [_real_rows(o, padding).clone() for o in self.owned]
+            owned = [(_real_rows(o, padding) if follows else o).clone()
+                     for o, follows in zip(self.owned, self.follows)]
         return self.assemble(owned, tensors)
 
     def assemble(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:

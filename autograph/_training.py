@@ -32,7 +32,6 @@ requires grad, or it is bucketed. Double backward through a replay raises with t
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -42,24 +41,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._capture import Capture, _capture_stream
 from ._config import logger
-from ._graph import CaptureFailed, Graph, capture_failure
+from ._graph import CaptureFailed, Graph, Refusal, capture_failure
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._plan import InputPlan, OutputPlan, copy_all
 from ._reads import CallWatch, GradSlots, Survey, _tensors_in
 
 Tensor = torch.Tensor
-
-
-@dataclasses.dataclass(frozen=True)
-class Refusal(Finding):
-    """Why a key cannot get graphed backward, about the call rather than one line.
-
-    >>> Refusal("", "its arguments are padded to a bucket, ...").message()
-    'its arguments are padded to a bucket, ...'
-    """
-
-    def message(self) -> str:
-        return self.consequence
 
 
 def _refused(reason: str) -> CaptureFailed:
@@ -249,7 +236,8 @@ class TrainingGraph(Graph):
     def record(cls, call: Callable, args: tuple, kwargs: dict, tensors: Sequence[Tensor],
                backend: Any, device: int, pool: Any, policy: str, label: str,
                roots: Sequence[Tuple[str, Any]], uses_cudnn: bool = False,
-               padding: Any = None, addressed: Sequence[int] = ()) -> "TrainingGraph":
+               padding: Any = None, addressed: Sequence[int] = (),
+               warmup_shapes: Any = None) -> "TrainingGraph":
         """Capture the forward of ``call`` on static copies of the arguments, then its
         backward; nothing runs. ``CaptureFailed`` (the caller runs the key eagerly) when the
         guard or CUDA rejects either capture, or the call cannot have a graphed backward."""

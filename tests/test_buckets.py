@@ -125,3 +125,57 @@ def test_capture_ahead_of_time_captures_every_bucket_and_leaves_no_effect(device
     assert out.shape == (3, 2)
     if device == "cpu":        # the emulation draws as eager would; on CUDA, philox offsets
         assert torch.equal(out, 2 + expected_noise)
+
+
+def test_an_output_whose_size_only_equals_the_bucket_is_not_sliced(device):
+    @autograph.graphed(buckets=[4, 8])
+    def pooled(x):
+        return x.sum(0), x * 2          # hidden size 4 equals a bucket; the batch is dim 0
+
+    for _ in range(4):
+        x = torch.randn(3, 4, device=device)
+        total, doubled = pooled(x)
+        assert total.shape == (4,) and torch.allclose(total, x.sum(0))
+        assert torch.equal(doubled, x * 2)
+    assert by_bucket(pooled)[0][:4] == (4, "graphed", 4, 3)
+
+
+def test_an_expanded_argument_that_is_not_padded(device):
+    @autograph.graphed(buckets=[4])
+    def add(x, bias):
+        return x + bias
+
+    bias = torch.randn(1, 4, device=device).expand(3, 4)    # stride 0, dim 0 equals the batch
+    for _ in range(3):
+        x = torch.randn(3, 4, device=device)
+        assert torch.equal(add(x, bias), x + bias)
+    assert {r.state for r in add.stats()} == {"graphed"}
+
+
+def test_a_view_of_a_padded_argument_runs_eagerly_with_the_reason(device, caught):
+    @autograph.graphed(buckets=[4])
+    def tail(x):
+        x.mul_(2)
+        return x[1:]
+
+    for _ in range(3):
+        x = torch.arange(12.0, device=device).view(3, 4)
+        out = tail(x)
+        assert out.shape == (2, 4) and torch.equal(out, torch.arange(4.0, 12.0, device=device)
+                                                   .view(2, 4) * 2)
+    row, = tail.stats()
+    assert row.state == "eager" and "view of an argument padded to a bucket" in row.fallback_reason
+
+
+def test_capture_ahead_of_time_pads_what_real_calls_pad(device):
+    @autograph.graphed(buckets=[2, 4, 8])
+    def project(x, w):
+        return x @ w
+
+    w = torch.randn(4, 4, device=device)       # dim 0 is 4: equal to a bucket, never padded
+    project.capture(torch.randn(8, 4, device=device), w)
+    for _ in range(2):
+        x = torch.randn(3, 4, device=device)
+        assert torch.allclose(project(x, w), x @ w)
+    rows = {r.bucket: (r.state, r.calls, r.replays) for r in project.stats()}
+    assert rows == {8: ("graphed", 0, 0), 4: ("graphed", 2, 2), 2: ("graphed", 0, 0)}

@@ -428,3 +428,24 @@ def test_grads_cleared_between_calls_of_an_accumulating_graph_are_seen(device, c
     w.grad = None                           # eager would start afresh
     accumulate(x)
     assert torch.equal(w.grad, torch.ones(3, device=device))
+
+
+class Config:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+def test_a_new_object_that_reuses_a_dead_ones_id_never_meets_its_graph(device):
+    @autograph.graphed
+    def scaled(x, cfg):
+        return x * cfg.scale
+
+    x = torch.ones(3, device=device)
+    for value in (2.0, 3.0, 4.0):
+        cfg = Config(value)
+        for _ in range(3):
+            assert torch.equal(scaled(x, cfg), x * value)
+        assert [r.state for r in scaled.stats()] == ["graphed"]   # dead objects' keys gone
+        del cfg
+        gc.collect()
+    assert scaled.stats() == []
