@@ -109,6 +109,7 @@ class Graph:
         capture = backend.capture(run, device, pool.handle_for_capture(), uses_cudnn)
         finding = capture_failure(detector, capture)
         if finding is not None:
+            survey.restore_grads()
             raise CaptureFailed(finding)
         inputs.note_writes(before)
         if capture.error is not None:
@@ -123,6 +124,7 @@ class Graph:
             outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given,
                                  padding, warmup_shapes)
         except UnplannableOutput as refused:
+            survey.restore_grads()
             raise CaptureFailed(Refusal("", str(refused))) from None
         return cls(capture, inputs, outputs, pool, watch.external, survey,
                    GradSlots(survey, watch.written))

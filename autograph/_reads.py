@@ -179,6 +179,13 @@ class Survey:
         for child_path, child in children:
             self._visit(child_path, child, left - 1)
 
+    def restore_grads(self) -> None:
+        """Give each leaf back the ``.grad`` it had before a capture that failed: a backward in
+        the capture set ``.grad`` in Python to memory of a graph that is being discarded."""
+        for tensor, before, _ in self.leaves.values():
+            if tensor.grad is not before:
+                tensor.grad = before
+
     def name(self, tensor: Tensor) -> str:
         return self.names.get(_storage_ptr(tensor)) or (
             f"a {describe_tensor(tensor)} tensor that is not an argument")

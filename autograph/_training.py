@@ -276,59 +276,65 @@ class TrainingGraph(Graph):
             with detector, watch, reads:
                 return call(*static_args, **static_kwargs)
 
-        capture = backend.capture(run_forward, device, pool.handle_for_capture(), uses_cudnn)
-        finding = capture_failure(detector, capture)
-        if finding is not None:
-            raise CaptureFailed(finding)
-        if capture.error is not None and "leaf Variable that requires grad" in str(
-                capture.error):
-            raise _refused(_WRITES_TRAINED)
-        inputs.note_writes(before)
-        if capture.error is not None:
-            error = capture.error
-            with torch.no_grad():
-                capture.graph.replay()
-                inputs.copy_back(tensors)
-            del capture  # see Graph.record
-            raise error
-        if any(i in trained for i in inputs.mutated):
-            raise _refused(_WRITES_TRAINED)
-        outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given)
-        grads = GradSlots(survey, watch.written)
-        needs = [o.requires_grad for o in outputs.owned]
-        if grads or not any(needs):
-            # No backward to graph: the call ran its own (a whole step), or gradients reach
-            # its arguments only through outputs that are views of them. It replays as a
-            # Graph, copying into plain statics and handing out detached outputs.
-            for i in trained:
-                if i not in inputs.addressed:
-                    inputs.statics[i].requires_grad_(False)
-            outputs.owned[:] = [o.detach() for o in outputs.owned]
-            return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label)
-        if reads.hooked:
-            raise _refused(
-                "it uses saved-tensor hooks inside (torch.utils.checkpoint with "
-                "use_reentrant=False, activation offloading), whose backward runs Python "
-                "(recomputation, copies back) that a graph would capture once and replay "
-                "unfaithfully. Turn gradient checkpointing off for this module, or run it "
-                "eagerly under autograph.region(enabled=False)")
-        for t in watch.external.values():
-            if t.requires_grad and not t.is_leaf:
+        try:
+            capture = backend.capture(run_forward, device, pool.handle_for_capture(), uses_cudnn)
+            finding = capture_failure(detector, capture)
+            if finding is not None:
+                raise CaptureFailed(finding)
+            if capture.error is not None and "leaf Variable that requires grad" in str(
+                    capture.error):
+                raise _refused(_WRITES_TRAINED)
+            inputs.note_writes(before)
+            if capture.error is not None:
+                error = capture.error
+                with torch.no_grad():
+                    capture.graph.replay()
+                    inputs.copy_back(tensors)
+                del capture  # see Graph.record
+                raise error
+            if any(i in trained for i in inputs.mutated):
+                raise _refused(_WRITES_TRAINED)
+            outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given)
+            grads = GradSlots(survey, watch.written)
+            needs = [o.requires_grad for o in outputs.owned]
+            if grads or not any(needs):
+                # No backward to graph: the call ran its own (a whole step), or gradients reach
+                # its arguments only through outputs that are views of them. It replays as a
+                # Graph, copying into plain statics and handing out detached outputs.
+                for i in trained:
+                    if i not in inputs.addressed:
+                        inputs.statics[i].requires_grad_(False)
+                outputs.owned[:] = [o.detach() for o in outputs.owned]
+                return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label)
+            if reads.hooked:
                 raise _refused(
-                    f"it reads {survey.name(t)}, which was computed with gradients outside "
-                    f"the call, so gradients could not flow back through it. Pass it as an "
-                    f"argument")
-        if policy == "static":
-            logger.info("%s: its outputs need gradients, so it returns copies "
-                        "(outputs='static' applies to calls without gradients)", label)
-        leaves = list(reads.trained.values())
-        grad_outputs, backward_capture = cls._record_backward(
-            backend, device, pool, uses_cudnn, outputs.owned, needs,
-            [inputs.statics[i] for i in trained], leaves)
-        backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs, trained,
-                             leaves, list(reads.frozen.values()), survey)
-        return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label,
-                   backward)
+                    "it uses saved-tensor hooks inside (torch.utils.checkpoint with "
+                    "use_reentrant=False, activation offloading), whose backward runs Python "
+                    "(recomputation, copies back) that a graph would capture once and replay "
+                    "unfaithfully. Turn gradient checkpointing off for this module, or run it "
+                    "eagerly under autograph.region(enabled=False)")
+            for t in watch.external.values():
+                if t.requires_grad and not t.is_leaf:
+                    raise _refused(
+                        f"it reads {survey.name(t)}, which was computed with gradients outside "
+                        f"the call, so gradients could not flow back through it. Pass it as an "
+                        f"argument")
+            if policy == "static":
+                logger.info("%s: its outputs need gradients, so it returns copies "
+                            "(outputs='static' applies to calls without gradients)", label)
+            leaves = list(reads.trained.values())
+            grad_outputs, backward_capture = cls._record_backward(
+                backend, device, pool, uses_cudnn, outputs.owned, needs,
+                [inputs.statics[i] for i in trained], leaves)
+            backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs, trained,
+                                 leaves, list(reads.frozen.values()), survey)
+            return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label,
+                       backward)
+        except CaptureFailed:
+            # A backward in the capture set .grad (in Python) to the memory of this discarded
+            # graph; the eager run that follows must find .grad as it was.
+            survey.restore_grads()
+            raise
 
     @staticmethod
     def _record_backward(backend: Any, device: int, pool: Any, uses_cudnn: bool,

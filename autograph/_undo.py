@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._reads import written_tensors
+from ._reads import _tensors_in, written_tensors
 
 Tensor = torch.Tensor
 
@@ -54,10 +54,16 @@ class UndoWrites(TorchDispatchMode):
             if key not in self.created and key not in self.saved and storage.nbytes():
                 # The whole storage: later writes may go through other views of it.
                 self.saved[key] = (storage, storage.clone())
+        # A view (t(), a slice) or an in-place op returns an input's storage: not new memory,
+        # and a later write through it must be saved too.
+        inputs = {t.untyped_storage()._cdata for t in _tensors_in((*args, *kwargs.values()))
+                  if t.layout is torch.strided}
         out = func(*args, **kwargs)
         for t in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, Tensor) and t.layout is torch.strided:
-                self.created.add(t.untyped_storage()._cdata)
+                key = t.untyped_storage()._cdata
+                if key not in inputs:
+                    self.created.add(key)
         return out
 
     def restore(self) -> None:

@@ -179,3 +179,20 @@ def test_capture_ahead_of_time_pads_what_real_calls_pad(device):
         assert torch.allclose(project(x, w), x @ w)
     rows = {r.bucket: (r.state, r.calls, r.replays) for r in project.stats()}
     assert rows == {8: ("graphed", 0, 0), 4: ("graphed", 2, 2), 2: ("graphed", 0, 0)}
+
+
+def test_capture_ahead_of_time_takes_back_writes_made_through_a_view(device):
+    linear = torch.nn.Linear(4, 4).to(device)
+    before = linear.weight.detach().clone()
+
+    @autograph.graphed
+    def step(x):
+        out = linear(x)
+        with torch.no_grad():
+            linear.weight.t().mul_(0.5)       # a write through a view of the weight
+        return out
+
+    with torch.no_grad():
+        step.capture(torch.randn(2, 4, device=device))
+    assert torch.equal(linear.weight, before)
+    assert [r.state for r in step.stats()] == ["graphed"]

@@ -449,3 +449,23 @@ def test_a_new_object_that_reuses_a_dead_ones_id_never_meets_its_graph(device):
         del cfg
         gc.collect()
     assert scaled.stats() == []
+
+
+def test_a_backward_in_a_capture_that_fails_leaves_grad_as_it_was(device):
+    w = torch.ones(3, device=device, requires_grad=True)
+
+    def step(x):
+        loss = (w * x).sum()
+        loss.backward()
+        if loss > 0:                 # the guard stops the capture here, after the backward
+            return x * 2
+        return x
+
+    graphed = autograph.graphed(step)
+    grads = []
+    for i in range(3):
+        w.grad = None                # zero_grad(set_to_none=True) outside the step
+        graphed(torch.full((3,), float(i + 1), device=device))
+        grads.append(w.grad.tolist())
+    assert grads == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+    assert graphed.stats()[0].state == "eager"

@@ -351,3 +351,18 @@ def test_a_training_step_is_verified_and_trains_as_eagerly(device, caught):
     assert autograph_warnings(caught) == []
     assert [(r.state, r.replays, r.verified) for r in autograph.stats(graphed)] == [
         ("graphed", 5, 3)]
+
+
+def test_a_verified_call_writes_through_a_view_exactly_once(device):
+    acc = torch.zeros(4, device=device)
+
+    @autograph.graphed(verify=3)
+    def accumulate(x):
+        acc[:2].add_(x)
+        return x * 1
+
+    for _ in range(4):
+        accumulate(torch.ones(2, device=device))
+    assert torch.equal(acc, torch.tensor([4.0, 4.0, 0.0, 0.0], device=device))
+    row, = accumulate.stats()
+    assert (row.state, row.verified) == ("graphed", 2)
