@@ -160,6 +160,7 @@ _INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_p
               "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
 _SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
 _SYNC_CONSEQUENCE = "synchronises with the host"
+_READS_VALUES = "reads the tensor's values in Python, which a graph freezes at capture"
 
 
 def optimizer_running(frame: Optional[FrameType]) -> Optional[torch.optim.Optimizer]:
@@ -337,6 +338,10 @@ def _patch_targets() -> list:
         # Tensor.__repr__ turns dispatch modes off before it reads the values.
         (torch._tensor_str, "_str", "print() or repr() of a GPU tensor",
          "copies it to the host, which synchronises", _on_device),
+        # On a CUDA tensor the dispatch mode sees their copy to the host; on the CPU (the
+        # emulation) there is no copy to see, and the value would be frozen at capture.
+        (torch.Tensor, "tolist", ".tolist()", _READS_VALUES, _on_device),
+        (torch.Tensor, "numpy", ".numpy()", _READS_VALUES, _on_device),
     ]
 
 
@@ -360,9 +365,10 @@ def _install_patches() -> None:
         if _patch_users > 1:
             return
         for owner, name, operation, consequence, applies in _patch_targets():
-            original = owner.__dict__[name]
-            _originals[(owner, name)] = original
-            setattr(owner, name, _guarded(original, operation, consequence, applies))
+            # None: inherited (Tensor.tolist is TensorBase's), so removing the patch deletes it.
+            _originals[(owner, name)] = owner.__dict__.get(name)
+            setattr(owner, name, _guarded(getattr(owner, name), operation, consequence,
+                                          applies))
 
 
 def _remove_patches() -> None:
@@ -372,7 +378,10 @@ def _remove_patches() -> None:
         if _patch_users:
             return
         for (owner, name), original in _originals.items():
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         _originals.clear()
 
 

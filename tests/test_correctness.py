@@ -469,3 +469,22 @@ def test_a_backward_in_a_capture_that_fails_leaves_grad_as_it_was(device):
         grads.append(w.grad.tolist())
     assert grads == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
     assert graphed.stats()[0].state == "eager"
+
+
+@pytest.mark.parametrize("read", ["tolist", "numpy"])
+def test_reading_values_into_python_is_found_on_every_device(device, read, caught):
+    if read == "numpy":
+        pytest.importorskip("numpy")
+
+    @autograph.graphed
+    def scaled(x):
+        values = getattr(x if read == "tolist" else x.cpu(), read)()
+        return x * float(values[0])
+
+    before = torch.Tensor.__dict__.get(read)
+    for v in (1.0, 2.0, 3.0):
+        x = torch.full((2,), v, device=device)
+        assert torch.equal(scaled(x), x * v)
+    row, = scaled.stats()
+    assert row.state == "eager" and len(autograph_warnings(caught)) == 1
+    assert torch.Tensor.__dict__.get(read) is before       # the patch is gone again
