@@ -170,6 +170,21 @@ def static_cache(transformers, config, length=64):
     return transformers.StaticCache(config=config, max_cache_len=length)
 
 
+def static_decode(model, transformers, config, prompt, tokens):
+    """A prefill of ``prompt``, then one step per token of ``tokens``, with a fresh
+    StaticCache, under inference_mode; the logits of every step."""
+    cache = static_cache(transformers, config)
+    logits = []
+    with torch.inference_mode():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(prompt.shape[1], device="cuda"))
+        for step, token in enumerate(tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True,
+                        cache_position=torch.tensor([prompt.shape[1] + step], device="cuda"))
+            logits.append(out.logits)
+    return logits
+
+
 def test_hf_llama_decode_with_static_cache_matches_eager(caught):
     transformers, config, model = llama()
     eager_model, graphed_model = model, autograph.graphed(copy.deepcopy(model))
@@ -177,17 +192,7 @@ def test_hf_llama_decode_with_static_cache_matches_eager(caught):
     tokens = torch.randint(0, 1024, (20, 1, 1), device="cuda")
 
     def decode(m):
-        cache = static_cache(transformers, config)
-        logits = []
-        with torch.inference_mode():
-            m(input_ids=prompt, past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(8, device="cuda"))
-            for step in range(20):
-                position = torch.tensor([8 + step], device="cuda")
-                out = m(input_ids=tokens[step], past_key_values=cache, use_cache=True,
-                        cache_position=position)
-                logits.append(out.logits)
-        return logits
+        return static_decode(m, transformers, config, prompt, tokens)
 
     expected, got = decode(eager_model), decode(graphed_model)
     for step, (a, b) in enumerate(zip(expected, got)):

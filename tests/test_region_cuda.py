@@ -7,7 +7,7 @@ import torch
 
 import autograph
 from conftest import autograph_warnings, is_label_of, requires_cuda, states
-from test_cuda import llama, static_cache
+from test_cuda import llama, static_decode
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -18,21 +18,9 @@ def test_hf_llama_decode_loop_in_a_region_matches_eager(caught):
     prompt = torch.randint(0, 1024, (1, 8), device="cuda")
     tokens = torch.randint(0, 1024, (20, 1, 1), device="cuda")
 
-    def decode(m):
-        cache = static_cache(transformers, config)
-        logits = []
-        m(input_ids=prompt, past_key_values=cache, use_cache=True,
-          cache_position=torch.arange(8, device="cuda"))
-        for step in range(20):
-            out = m(input_ids=tokens[step], past_key_values=cache, use_cache=True,
-                    cache_position=torch.tensor([8 + step], device="cuda"))
-            logits.append(out.logits)
-        return logits
-
-    with torch.inference_mode():
-        expected = decode(model)
-        with autograph.region() as region:
-            got = decode(region_model)
+    expected = static_decode(model, transformers, config, prompt, tokens)
+    with autograph.region() as region:
+        got = static_decode(region_model, transformers, config, prompt, tokens)
     for step, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"decode step {step} differs"
     stats = region.stats()

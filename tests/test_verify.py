@@ -308,7 +308,7 @@ def test_verify_is_off_by_default(device):
 @pytest.mark.cuda
 @requires_cuda
 def test_hf_llama_decode_with_static_cache_verifies_silently(caught):
-    from test_cuda import llama, static_cache
+    from test_cuda import llama, static_decode
 
     transformers, config, model = llama(layers=2)
     graphed_model = autograph.graphed(copy.deepcopy(model), verify=3)
@@ -316,16 +316,7 @@ def test_hf_llama_decode_with_static_cache_verifies_silently(caught):
     tokens = torch.randint(0, 1024, (8, 1, 1), device="cuda")
 
     def decode(m):
-        cache = static_cache(transformers, config)
-        logits = []
-        with torch.inference_mode():
-            m(input_ids=prompt, past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(8, device="cuda"))
-            for step in range(8):
-                out = m(input_ids=tokens[step], past_key_values=cache, use_cache=True,
-                        cache_position=torch.tensor([8 + step], device="cuda"))
-                logits.append(out.logits)
-        return logits
+        return static_decode(m, transformers, config, prompt, tokens)
 
     for step, (a, b) in enumerate(zip(decode(model), decode(graphed_model))):
         assert torch.equal(a, b), f"decode step {step} differs"
