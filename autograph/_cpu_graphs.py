@@ -193,9 +193,15 @@ class _Recorder(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func.overloadpacket is _aten.lift_fresh:
-            # torch.tensor(...) made this tensor during the recording, outside any op
-            self.pool[_storage_key(args[0])] = args[0].untyped_storage()
-            return func(*args, **kwargs)
+            # torch.tensor(...) made this tensor during the recording, outside any op: pool
+            # memory, whose value each replay restores first (a CUDA graph's copy of a
+            # constant runs on every replay), in case the function then writes to it.
+            out = func(*args, **kwargs)
+            storage = self.pool[_storage_key(out)] = out.untyped_storage()
+            leaves, spec = tree_flatten(((_view(storage, _layout(out)), out.detach().clone()),
+                                         {}))
+            self.ops.append(_RecordedOp(_aten.copy_.default, leaves, spec, []))
+            return out
         if torch.Tag.inplace_view in func.tags or _returns_only_views(func):
             return func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
@@ -276,7 +282,9 @@ class CpuGraph:
         # Resolve every argument first, so that a freed tensor fails the replay before it
         # has written anything.
         arguments = [op.arguments() for op in self.ops]
-        with torch.no_grad():
+        # The ops were recorded below autocast (already cast, or deliberately not): run as
+        # recorded, as a CUDA graph replays its kernels, whatever autocast the caller is in.
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for op, (args, kwargs) in zip(self.ops, arguments):
                 op.run(args, kwargs)
 

@@ -111,7 +111,14 @@ class Graph:
         if finding is not None:
             survey.restore_grads()
             raise CaptureFailed(finding)
-        inputs.note_writes(before)
+        inputs.note_writes(before, watch.written)
+        resized = inputs.resized()
+        if resized is not None:
+            survey.restore_grads()
+            raise CaptureFailed(Refusal("", (
+                f"it resizes its argument {resized} (an out= tensor of another size, or "
+                f"resize_()), and a graph's inputs keep their size and address. Pass a tensor "
+                f"of the output's size")))
         if capture.error is not None:
             error = capture.error
             capture.graph.replay()

@@ -126,10 +126,11 @@ _UNNAMED_READ = "reading a tensor's value in Python"
 
 def _host_read_name(source: str) -> str:
     """Name the Python construct behind ``aten._local_scalar_dense`` from the source line."""
-    for needle, name in ((".item()", ".item()"), (".tolist()", ".tolist()"),
-                         ("bool(", "bool(tensor)"), ("int(", "int(tensor)"),
-                         ("float(", "float(tensor)")):
-        if needle in source:
+    for pattern, name in ((r"\.item\(\)", ".item()"), (r"\.tolist\(\)", ".tolist()"),
+                          (r"(?<![\w.])bool\(", "bool(tensor)"),
+                          (r"(?<![\w.])int\(", "int(tensor)"),
+                          (r"(?<![\w.])float\(", "float(tensor)")):
+        if re.search(pattern, source):
             return name
     if source.startswith(("if ", "elif ", "while ", "assert ")) or " if " in source:
         return "a tensor used as a Python condition"

@@ -77,6 +77,7 @@ class InputPlan:
                 i: torch.full_like(self.statics[i], spec[1])
                 for i, spec in enumerate(padding.dims) if spec is not None}
         self._recipes: Dict[int, Tuple[List[Tensor], List[Any], List[Tuple[int, int, Any]]]] = {}
+        self._shapes = [s.shape for s in self.statics]
         # The arguments copied in on every replay (those used by address are their statics).
         self._copied = [i for i in range(len(self.statics)) if i not in self.addressed]
         self._copied_statics = [self.statics[i] for i in self._copied]
@@ -105,12 +106,22 @@ class InputPlan:
         return static_args, static_kwargs, [leaf for leaf in leaves
                                             if not isinstance(leaf, Tensor)]
 
+    def resized(self) -> Optional[int]:
+        """The index of an argument whose static the capture resized, or None."""
+        return next((i for i, (s, shape) in enumerate(zip(self.statics, self._shapes))
+                     if i not in self.addressed and s.shape != shape), None)
+
     def versions(self) -> List[int]:
         return [-1 if i in self.addressed else s._version for i, s in enumerate(self.statics)]
 
-    def note_writes(self, before: List[int]) -> None:
+    def note_writes(self, before: List[int], written: Any = frozenset()) -> None:
+        """Note the arguments the capture wrote: by their version counters, and by the storages
+        that ops' schemas say they write (``written``): ``_foreach_add_`` and its kin move no
+        version counter under a dispatch mode."""
         self.mutated = [i for i, s in enumerate(self.statics)
-                        if i not in self.addressed and s._version != before[i]]
+                        if i not in self.addressed and (
+                            s._version != before[i]
+                            or (s.numel() and s.untyped_storage().data_ptr() in written))]
 
     def copy_in(self, tensors: Sequence[Tensor], rows: Optional[int] = None) -> None:
         if rows is not None:

@@ -71,8 +71,10 @@ class Region:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        leave_region(self)
-        _remove_module_call()
+        try:
+            leave_region(self)
+        finally:
+            _remove_module_call()  # torch's global state comes back even if that failed
 
 
 def region(*, enabled: bool = True, **options: Any) -> Region:
@@ -110,7 +112,7 @@ def engine_of(module: torch.nn.Module) -> Any:
     return _module_engines.get(module)
 
 
-def _region_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     if inside_a_graphed_call() or current_region() is None or isinstance(
             module.__dict__.get("forward"), GraphedForward):  # graphed(module) graphs itself
         return _original_call(module, *args, **kwargs)

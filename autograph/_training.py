@@ -284,7 +284,7 @@ class TrainingGraph(Graph):
             if capture.error is not None and "leaf Variable that requires grad" in str(
                     capture.error):
                 raise _refused(_WRITES_TRAINED)
-            inputs.note_writes(before)
+            inputs.note_writes(before, watch.written)
             if capture.error is not None:
                 error = capture.error
                 with torch.no_grad():

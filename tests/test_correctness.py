@@ -488,3 +488,56 @@ def test_reading_values_into_python_is_found_on_every_device(device, read, caugh
     row, = scaled.stats()
     assert row.state == "eager" and len(autograph_warnings(caught)) == 1
     assert torch.Tensor.__dict__.get(read) is before       # the patch is gone again
+
+
+def test_arguments_written_by_foreach_ops_reach_the_caller(device):
+    @autograph.graphed
+    def bump(x, a, b):
+        torch._foreach_add_([a, b], [x, x])
+        return a + 0
+
+    a, b = torch.zeros(3, device=device), torch.zeros(3, device=device)
+    for i in range(1, 6):
+        out = bump(torch.ones(3, device=device), a, b)
+        assert torch.equal(out, torch.full((3,), float(i), device=device))
+        assert torch.equal(b, torch.full((3,), float(i), device=device))
+    assert rows(bump) == [("graphed", 5, 1, 4)]
+
+
+def test_an_out_argument_the_function_resizes_runs_eagerly_with_the_reason(device):
+    @autograph.graphed
+    def add(x, out):
+        return torch.add(x, 1, out=out)
+
+    for _ in range(3):
+        buf = torch.empty(0, device=device)
+        assert torch.equal(add(torch.ones(3, device=device), buf), torch.full((3,), 2.0,
+                                                                            device=device))
+    row, = add.stats()
+    assert row.state == "eager" and "resizes its argument" in row.fallback_reason
+
+
+def test_a_constant_made_inside_and_written_in_place_starts_afresh_each_call(emulated):
+    @autograph.graphed
+    def total(x):
+        acc = torch.tensor([0.0])
+        acc.add_(x.sum())
+        return acc * 1
+
+    assert [total(torch.ones(3)).item() for _ in range(5)] == [3.0] * 5
+    assert rows(total) == [("graphed", 5, 1, 4)]
+
+
+def test_an_emulated_replay_runs_its_ops_as_recorded_under_autocast(emulated):
+    w = torch.randn(8, 8)
+
+    @autograph.graphed
+    def exact(x):
+        with torch.autocast("cpu", enabled=False):
+            return x.float() @ w
+
+    x = torch.randn(4, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = [exact(x) for _ in range(4)]
+    assert all(torch.equal(o, x @ w) for o in outs)
+    assert rows(exact) == [("graphed", 4, 1, 3)]

@@ -275,3 +275,36 @@ def test_unknown_region_option_is_an_error():
         autograph.region(warmups=1)
     with pytest.raises(ValueError, match="outputs='clone'"):
         autograph.region(outputs="clone")
+
+
+def test_a_module_taking_a_module_keyword_is_called_in_a_region(emulated):
+    class Scaled(torch.nn.Module):
+        def forward(self, x, module=1):
+            return x * module
+
+    model = Scaled()
+    with torch.no_grad(), autograph.region():
+        for _ in range(3):
+            assert torch.equal(model(torch.ones(2), module=3), torch.full((2,), 3.0))
+    assert [r.state for r in autograph.stats(model)] == ["graphed"]
+
+
+def test_a_region_left_in_another_thread_still_restores_module_call():
+    original = torch.nn.Module.__call__
+    region = autograph.region()
+    region.__enter__()
+    errors = []
+    leaving = threading.Thread(target=lambda: errors.append(_exit_catching(region)))
+    leaving.start()
+    leaving.join()
+    assert torch.nn.Module.__call__ is original
+    assert errors and errors[0] is not None        # leaving from another thread is an error
+    _scope._thread.regions.remove(region)          # this thread's stack, tidied by hand
+
+
+def _exit_catching(region):
+    try:
+        region.__exit__(None, None, None)
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        return error
+    return None
