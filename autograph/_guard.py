@@ -42,10 +42,12 @@ import sys
 import threading
 import traceback
 from types import FrameType, TracebackType
-from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._reads import tensors_in
 
 _aten = torch.ops.aten
 _SKIPPED_DIRS = (
@@ -213,19 +215,11 @@ def is_view(func: Any) -> bool:
                for r in func._schema.returns)
 
 
-def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif isinstance(v, (list, tuple)):
-            yield from _tensors(v)
-
-
 def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
                ) -> Optional[Tuple[str, str]]:
     """(operation, consequence) when ``func`` cannot be captured on ``device_type``."""
     tags = func.tags
-    on_device = any(t.device.type == device_type for t in _tensors(args))
+    on_device = any(t.device.type == device_type for t in tensors_in(args))
     if torch.Tag.data_dependent_output in tags and on_device:
         return "host read", _SYNC_CONSEQUENCE
     packet = func.overloadpacket
@@ -245,7 +239,7 @@ def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
                     "cannot be captured: create the tensor on the GPU or pin it")
         return None
     if device_type != "cpu" and not is_view(func) and packet not in _CPU_CONSTANT_OPS and any(
-            t.device.type == "cpu" for t in _tensors(args)):
+            t.device.type == "cpu" for t in tensors_in(args)):
         return _CPU_OPERATION, _CPU_CONSEQUENCE
     name = packet.__name__
     if name in _INDEX_OPS and on_device:
@@ -278,7 +272,7 @@ def _composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """
     if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
         return None
-    keys = [torch._C._dispatch_keys(t) for t in _tensors((*args, *kwargs.values()))]
+    keys = [torch._C._dispatch_keys(t) for t in tensors_in((*args, *kwargs.values()))]
     if not keys or any(k.has(torch._C.DispatchKey.Python) for k in keys):
         return None
     below = functools.reduce(operator.or_, keys) & _BELOW_PYTHON

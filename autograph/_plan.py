@@ -25,6 +25,7 @@ import torch
 
 from ._config import logger
 from ._keys import flatten_arguments, flatten_output
+from ._reads import storage_ptr
 
 Tensor = torch.Tensor
 
@@ -47,10 +48,6 @@ def copy_all(dst: List[Tensor], src: List[Tensor]) -> None:
         dst[0].copy_(src[0])
     elif dst:
         torch._foreach_copy_(dst, src)
-
-
-def storage_ptr(t: Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 class InputPlan:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -84,9 +84,6 @@ class Pools:
                 if pool is None:
                     pool = self._pools[device] = Pool(backend, device)
         return pool
-
-    def devices(self) -> List[int]:
-        return list(self._pools)
 
     def clear(self) -> None:
         with self._lock:

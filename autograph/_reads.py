@@ -31,19 +31,19 @@ from ._keys import describe_tensor
 Tensor = torch.Tensor
 
 
-def _storage_ptr(t: Tensor) -> int:
+def storage_ptr(t: Tensor) -> int:
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # sparse, nested or fake tensors
         return 0
 
 
-def _tensors_in(values: Iterable[Any]) -> Iterable[Tensor]:
+def tensors_in(values: Iterable[Any]) -> Iterable[Tensor]:
     for v in values:
         if isinstance(v, Tensor):
             yield v
         elif isinstance(v, (list, tuple)):
-            yield from _tensors_in(v)
+            yield from tensors_in(v)
 
 
 _aten = torch.ops.aten
@@ -66,7 +66,7 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[Tensor]:
              if argument.alias_info is not None and argument.alias_info.is_write]
     if func.overloadpacket in _UPDATES_RUNNING_STATS and values.get("training"):
         names += ["running_mean", "running_var"]
-    return list(_tensors_in(values[name] for name in names))
+    return list(tensors_in(values[name] for name in names))
 
 
 class CallWatch(TorchDispatchMode):
@@ -81,7 +81,7 @@ class CallWatch(TorchDispatchMode):
 
     def __init__(self, statics: Sequence[Tensor] = ()):
         super().__init__()
-        self.known = {_storage_ptr(t) for t in statics} | {0}
+        self.known = {storage_ptr(t) for t in statics} | {0}
         self.written: Set[int] = set()
         # Strong references until the caller has replayed once: a tensor the function
         # itself rebinds during capture must stay alive for that first replay.
@@ -90,27 +90,27 @@ class CallWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        for t in _tensors_in(args):
-            ptr = _storage_ptr(t)
+        for t in tensors_in(args):
+            ptr = storage_ptr(t)
             if ptr not in self.known:
                 self.external[ptr] = t
                 self.known.add(ptr)
-        for t in _tensors_in(kwargs.values()):
-            ptr = _storage_ptr(t)
+        for t in tensors_in(kwargs.values()):
+            ptr = storage_ptr(t)
             if ptr not in self.known:
                 self.external[ptr] = t
                 self.known.add(ptr)
         for t in written_tensors(func, args, kwargs):
-            self.written.add(_storage_ptr(t))
+            self.written.add(storage_ptr(t))
         out = func(*args, **kwargs)
-        for t in _tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
-            self.known.add(_storage_ptr(t))
+        for t in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+            self.known.add(storage_ptr(t))
         return out
 
     def written_arguments(self, tensors: Sequence[Tensor]) -> List[int]:
         """Indices of the arguments whose storage the run wrote to."""
         return [i for i, t in enumerate(tensors)
-                if t.numel() and _storage_ptr(t) in self.written]
+                if t.numel() and storage_ptr(t) in self.written]
 
 
 def shares_written_memory(tensors: Sequence[Tensor], written: Sequence[int]) -> bool:
@@ -119,7 +119,7 @@ def shares_written_memory(tensors: Sequence[Tensor], written: Sequence[int]) -> 
     Eager code would see such a write through the other argument; separate static copies
     would not, so such a call must run eagerly.
     """
-    storages = [_storage_ptr(t) for t in tensors]
+    storages = [storage_ptr(t) for t in tensors]
     return any(storages.count(storages[i]) > 1 for i in written if tensors[i].numel())
 
 
@@ -149,7 +149,7 @@ class Survey:
             return
         self._budget -= 1
         if isinstance(obj, Tensor):
-            ptr = _storage_ptr(obj)
+            ptr = storage_ptr(obj)
             if ptr and ptr not in self.names:
                 self.names[ptr] = path
             if obj.requires_grad and obj.is_leaf and id(obj) not in self.leaves:
@@ -187,7 +187,7 @@ class Survey:
                 tensor.grad = before
 
     def name(self, tensor: Tensor) -> str:
-        return self.names.get(_storage_ptr(tensor)) or (
+        return self.names.get(storage_ptr(tensor)) or (
             f"a {describe_tensor(tensor)} tensor that is not an argument")
 
 
@@ -255,7 +255,7 @@ class GradSlots:
         for tensor, before, path in survey.leaves.values():
             after = tensor.grad
             if after is before:
-                if before is None or _storage_ptr(before) not in written:
+                if before is None or storage_ptr(before) not in written:
                     continue  # untouched by the graph
                 expect, bind = weakref.ref(before), _ANY
             else:

@@ -44,7 +44,7 @@ from ._config import logger
 from ._graph import CaptureFailed, Graph, Refusal, capture_failure
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._plan import InputPlan, OutputPlan, copy_all
-from ._reads import CallWatch, GradSlots, Survey, _tensors_in
+from ._reads import CallWatch, GradSlots, Survey, tensors_in
 
 Tensor = torch.Tensor
 
@@ -90,7 +90,7 @@ class _ForwardWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        for t in _tensors_in((*args, *kwargs.values())):
+        for t in tensors_in((*args, *kwargs.values())):
             if id(t) in self.skip or not t.is_leaf:
                 continue
             if t.requires_grad:

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._reads import _tensors_in, written_tensors
+from ._reads import tensors_in, written_tensors
 
 Tensor = torch.Tensor
 
@@ -56,7 +56,7 @@ class UndoWrites(TorchDispatchMode):
                 self.saved[key] = (storage, storage.clone())
         # A view (t(), a slice) or an in-place op returns an input's storage: not new memory,
         # and a later write through it must be saved too.
-        inputs = {t.untyped_storage()._cdata for t in _tensors_in((*args, *kwargs.values()))
+        inputs = {t.untyped_storage()._cdata for t in tensors_in((*args, *kwargs.values()))
                   if t.layout is torch.strided}
         out = func(*args, **kwargs)
         for t in (out if isinstance(out, (list, tuple)) else (out,)):
