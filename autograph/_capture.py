@@ -123,6 +123,39 @@ class CudaGraphs:
     def reserved_bytes(self, device: int) -> int:
         return torch.cuda.memory_reserved(device)
 
+    @contextlib.contextmanager
+    def eager_stream(self, device: int) -> Iterator[None]:
+        """Run an eager call (a warmup, a fallback) that may build an autograd graph on the
+        capture stream.
+
+        >>> with CUDA.eager_stream(0):
+        ...     loss = model(x).sum()         # its parameters' AccumulateGrad nodes: stream S
+
+        Autograd accumulates a parameter's gradient on the stream its AccumulateGrad node was
+        made on (torch >= 2.9), and a training loop keeps that node alive from call to call
+        (the previous loss still holds it while the next forward runs). Made on the default
+        stream, it would make the backward's capture wait on the default stream, which CUDA
+        refuses; made here, the capture and the replays' backward (``autograd_stream``) use
+        it without a cross-stream wait, and so do eager calls of the same parameters. Without
+        grad mode no node is made: the call runs where it is.
+        """
+        if not torch.is_grad_enabled():
+            yield
+            return
+        caller = torch.cuda.current_stream(device)
+        stream = _capture_stream(device)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                yield
+        finally:
+            caller.wait_stream(stream)
+
+    def autograd_stream(self, device: int) -> "torch.cuda.Stream":
+        """The stream that training graphs' autograd nodes belong to: the capture stream, on
+        which their backward replays and their parameters' gradients accumulate."""
+        return _capture_stream(device)
+
     def capture(self, run: Callable[[], Any], device: int, pool: Any,
                 uses_cudnn: bool = False) -> Capture:
         graph = torch.cuda.CUDAGraph()

@@ -28,7 +28,7 @@ import contextlib
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -326,6 +326,14 @@ class CpuGraphs:
 
     def reserved_bytes(self, device: int) -> int:
         return 0
+
+    def eager_stream(self, device: int) -> ContextManager[None]:
+        """No streams on the CPU: an eager call runs where it is."""
+        return contextlib.nullcontext()
+
+    def autograd_stream(self, device: int) -> None:
+        """No streams on the CPU: autograd nodes are made where the call runs."""
+        return None
 
     def capture(self, run: Callable[[], Any], device: int, pool: Any,
                 uses_cudnn: bool = False) -> Capture:

@@ -16,6 +16,7 @@ methods) is held from the key lookup to the copy of the outputs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -247,7 +248,9 @@ class Engine:
         entry.eager_calls += 1
         if c.region is not None:
             c.region.note(c.cache.name, entry, "eager_calls")
-        with nested_calls(), profile_range("eager", self.name, entry.label):
+        streams = contextlib.nullcontext() if entry.backend is None else \
+            entry.backend.eager_stream(entry.device)
+        with nested_calls(), profile_range("eager", self.name, entry.label), streams:
             return c.call(*c.args, **c.kwargs)
 
     def _observed_replay(self, entry: Entry, c: "Call") -> Any:
@@ -355,7 +358,8 @@ class Engine:
         entry.eager_calls += 1
         if c.region is not None:
             c.region.note(c.cache.name, entry, "eager_calls")
-        with nested_calls(), profile_range("warmup", self.name, entry.label):
+        with nested_calls(), profile_range("warmup", self.name, entry.label), \
+                entry.backend.eager_stream(entry.device):
             if entry.warmups + 1 < entry.options.warmup:
                 outputs = c.call(*c.args, **c.kwargs)
                 entry.warmups += 1
@@ -519,7 +523,7 @@ class Engine:
             return
         undo = UndoWrites()
         try:
-            with nested_calls(), undo:
+            with nested_calls(), undo, entry.backend.eager_stream(entry.device):
                 while entry.warmups < entry.options.warmup - 1:
                     c.call(*c.args, **c.kwargs)
                     entry.warmups += 1

@@ -471,6 +471,16 @@ _CAPTURE_ERRORS = (
 )
 _OPTIMIZER_REFUSED = re.compile(
     r"graph capture of step\(\) for an instance of (\w+) but param_groups' capturable is False")
+# Autograd accumulates a parameter's gradient on the stream its AccumulateGrad node was made
+# on (torch >= 2.9). A node made on the default stream before autograph first saw the call,
+# and kept alive since, makes the default stream wait on the capture, which CUDA refuses.
+_LEGACY_STREAM = "operation would make the legacy stream depend on a capturing"
+_STALE_ACCUMULATOR = (
+    "is tied to the default stream by an autograd graph made before autograph first saw this "
+    "call and still alive (the output or loss of an earlier eager call, or DDP built on the "
+    "default stream), and a graph cannot capture the default stream. Drop references to "
+    "earlier outputs before the first graphed call (del loss), or build DDP inside "
+    "`with torch.cuda.stream(torch.cuda.Stream()):`")
 _SEEDING_CALL = re.compile(r"[\w.]*(?:seed|set_rng_state|set_state|fork_rng)\w*\(")
 
 
@@ -489,6 +499,8 @@ def _named_cause(text: str, source: str) -> Optional[Tuple[str, str]]:
     if "set_current_seed" in text or "CUDAGeneratorImpl::seed" in text:
         call = _SEEDING_CALL.search(source)
         return (call.group(0) + ")" if call else "reseeding a random generator"), _RESEEDS
+    if _LEGACY_STREAM in text:
+        return "gradient accumulation into a parameter", _STALE_ACCUMULATOR
     if _NOT_PERMITTED in text and _host_read_name(source) != _UNNAMED_READ:
         return _host_read_name(source), (
             f"{_SYNC_CONSEQUENCE}: CUDA stopped the capture ({_NOT_PERMITTED})")

@@ -32,11 +32,13 @@ requires grad, or it is bucketed. Double backward through a replay raises with t
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._capture import Capture, _capture_stream
@@ -134,6 +136,34 @@ def _prepare_backward_thread(device: int, cudnn: bool) -> None:
     _prepared.add((device, cudnn))
 
 
+def fresh_copies(tensors: Sequence[Optional[Tensor]], needed: Sequence[bool]
+                 ) -> List[Optional[Tensor]]:
+    """New tensors equal to the needed ``tensors``: one kernel per dtype and device, not one
+    per tensor.
+
+    >>> fresh_copies([graph_grad_w, graph_grad_b], [True, True])   # views of one new buffer
+
+    A backward graph's gradients live in its buffers, which the next replay overwrites, so
+    autograd must get copies (``AccumulateGrad`` may adopt a gradient as ``.grad``). A model
+    has many parameters, and a clone each cost a launch each; these copies are views of one
+    flat buffer per dtype, which lives while any of them does (one step's gradients).
+    """
+    copies: List[Optional[Tensor]] = [None] * len(tensors)
+    groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+    for i, (tensor, need) in enumerate(zip(tensors, needed)):
+        if tensor is not None and need:
+            groups.setdefault((tensor.dtype, tensor.device), []).append(i)
+    for members in groups.values():
+        parts = [tensors[i] for i in members]
+        if len(parts) == 1:
+            copies[members[0]] = parts[0].clone()
+            continue
+        flat = _flatten_dense_tensors(parts)
+        for i, view in zip(members, _unflatten_dense_tensors(flat, parts)):
+            copies[i] = view
+    return copies
+
+
 class _Backward:
     """A key's backward graph and the static tensors around it.
 
@@ -180,8 +210,7 @@ class _Backward:
                 src.append(grad)
         copy_all(dst, src)
         self.graph.replay()
-        return [None if result is None or not need else result.clone()
-                for result, need in zip(self.results, needed)]
+        return fresh_copies(self.results, needed)
 
 
 class _Replay(torch.autograd.Function):
@@ -189,7 +218,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, graph: "TrainingGraph", tensors: Sequence[Tensor], copy_in: bool,
-                *differentiable: Tensor) -> Tuple[Tensor, ...]:
+                caller: Any, *differentiable: Tensor) -> Tuple[Tensor, ...]:
         ctx.graph = graph
         ctx.set_materialize_grads(False)
         # Held only by this call's autograd graph, until its backward ran (without
@@ -198,7 +227,11 @@ class _Replay(torch.autograd.Function):
         token = torch.empty(0)
         ctx.save_for_backward(token)
         graph.last_call = weakref.ref(token)
-        outputs = graph.replay_forward(tensors, copy_in)
+        if caller is None:
+            outputs = graph.replay_forward(tensors, copy_in)
+        else:  # the replay runs in the caller's stream order; only the node is on the other
+            with torch.cuda.stream(caller):
+                outputs = graph.replay_forward(tensors, copy_in)
         ctx.mark_non_differentiable(*(o for o, need in zip(outputs, graph.backward.needs)
                                       if not need))
         return tuple(outputs)
@@ -213,8 +246,8 @@ class _Replay(torch.autograd.Function):
                 f"penalties). Run this call eagerly: call it inside "
                 f"autograph.region(enabled=False).")
         graph.pool.before_replay()
-        return (None, None, None,
-                *graph.backward.replay(grads, ctx.needs_input_grad[3:]))
+        return (None, None, None, None,
+                *graph.backward.replay(grads, ctx.needs_input_grad[4:]))
 
 
 class TrainingGraph(Graph):
@@ -363,12 +396,13 @@ class TrainingGraph(Graph):
         finding = capture_failure(detector, capture)
         if finding is None and capture.error is not None:
             location, source = location_in_traceback(capture.error.__traceback__)
-            if source == "":  # raised inside torch: name the user's call instead
-                location, source = location_of_caller(sys._getframe())
             first = (str(capture.error).strip().splitlines() or [""])[0]
             finding = Finding("its backward", f"could not be captured "
                               f"({type(capture.error).__name__}: {first})", location, source)
         if finding is not None:
+            if finding.source == "":  # raised inside torch: name the user's call instead
+                location, source = location_of_caller(sys._getframe())
+                finding = dataclasses.replace(finding, location=location, source=source)
             raise CaptureFailed(finding)
         return grad_outputs, capture
 
@@ -381,7 +415,16 @@ class TrainingGraph(Graph):
         backward = self.backward
         differentiable = [tensors[i] for i in backward.trained]
         differentiable += [ref() for ref, _ in backward.leaves]
-        owned = _Replay.apply(self, tensors, copy_in, *differentiable)
+        # The Function's backward node belongs to the stream current while it is made: the
+        # stream the parameters' AccumulateGrad nodes were made on (``eager_stream``), so
+        # that the backward replays there and hands each gradient over without a wait.
+        stream = self.pool.backend.autograd_stream(self.pool.device)
+        if stream is None:
+            owned = _Replay.apply(self, tensors, copy_in, None, *differentiable)
+        else:
+            caller = torch.cuda.current_stream(self.pool.device)
+            with torch.cuda.stream(stream):
+                owned = _Replay.apply(self, tensors, copy_in, caller, *differentiable)
         return self.outputs.assemble(owned, tensors)
 
     def replay_forward(self, tensors: Sequence[Tensor], copy_in: bool) -> List[Tensor]:

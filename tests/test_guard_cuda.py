@@ -246,7 +246,8 @@ def test_users_exception_propagates_in_every_phase(caught):
     with pytest.raises(ValueError, match="bad input in warmup"):   # the capture call
         f(x, "warmup")
     fail.clear()
-    f(x, "eager")                                                  # warmup finds .item()
+    f(x, "eager")                                  # warmup: .item() seen, the capture decides
+    f(x, "eager")                                  # capture: the guard stops it at .item()
     fail["eager"] = True
     with pytest.raises(ValueError, match="bad input in eager"):    # an eager fallback call
         f(x, "eager")

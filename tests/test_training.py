@@ -187,6 +187,52 @@ def test_retain_graph_and_autograd_grad_work(device):
     assert states(graphed[0]) == [("graphed", 4, 2, 2)]
 
 
+@pytest.mark.cuda
+@requires_cuda
+def test_a_loop_that_keeps_the_last_loss_while_the_next_forward_runs_is_graphed():
+    # The previous loss keeps its autograd graph, and so the parameters' AccumulateGrad
+    # nodes, alive during the next forward: the nodes made at warmup are the ones the
+    # capture and every replay meet (torch >= 2.9 accumulates on a node's own stream).
+    def train(wrap):
+        model = wrap(mlp("cuda"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for x in batches("cuda", 6):
+            optimizer.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss)          # kept, with its autograd graph
+        return model, losses, [p.detach().clone() for p in model.parameters()]
+
+    _, eager_losses, eager_params = train(lambda m: m)
+    model, losses, params = train(autograph.graphed)
+    assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
+    assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
+    assert states(model) == [("graphed", 6, 1, 5)]
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_an_autograd_graph_kept_from_before_autograph_is_named_with_the_fix(caught):
+    model = mlp("cuda")
+    x = batches("cuda", 1)[0]
+    kept = model(x).sum()    # eager, before autograph: its graph holds the parameters' nodes
+    graphed = autograph.graphed(model)
+    twin = mlp("cuda")
+    for _ in range(3):
+        graphed(x).sum().backward()
+        twin(x).sum().backward()
+    assert same(grads_of(model), grads_of(twin))
+    (row,) = autograph.stats(graphed)
+    if row.state == "eager":  # torch >= 2.9: gradients accumulate on the nodes' own stream
+        assert "del loss" in row.reason and "default stream" in row.reason
+        assert states(graphed) == [("eager", 3, 3, 0)]
+    else:
+        assert states(graphed) == [("graphed", 3, 1, 2)]
+    del kept
+
+
 def test_double_backward_through_a_graphed_call_says_how_to_run_it_eagerly(device):
     model = autograph.graphed(mlp(device))
     x = batches(device, 1, requires_grad=True)[0]
