@@ -136,32 +136,39 @@ def _prepare_backward_thread(device: int, cudnn: bool) -> None:
     _prepared.add((device, cudnn))
 
 
-def fresh_copies(tensors: Sequence[Optional[Tensor]], needed: Sequence[bool]
-                 ) -> List[Optional[Tensor]]:
-    """New tensors equal to the needed ``tensors``: one kernel per dtype and device, not one
-    per tensor.
+class _PackedGradients:
+    """A backward graph's gradients, packed by the graph itself into one buffer per dtype and
+    device, so that a replay hands out fresh copies with one kernel per buffer.
 
-    >>> fresh_copies([graph_grad_w, graph_grad_b], [True, True])   # views of one new buffer
+    >>> packed = _PackedGradients(torch.autograd.grad(outputs, inputs))  # inside the capture
+    >>> packed.fresh(needed)              # after a replay: views of new buffers, or None
 
-    A backward graph's gradients live in its buffers, which the next replay overwrites, so
-    autograd must get copies (``AccumulateGrad`` may adopt a gradient as ``.grad``). A model
-    has many parameters, and a clone each cost a launch each; these copies are views of one
-    flat buffer per dtype, which lives while any of them does (one step's gradients).
+    The gradients live in the graph's memory, which the next replay overwrites, so autograd
+    must get copies (``AccumulateGrad`` may adopt a gradient as ``.grad``: pytorch issue
+    181723). A model has many parameters, and a clone each would cost a launch each; a replay
+    clones each packed buffer once, and its gradients are views of it, which keep it alive
+    while any of them lives (one step's gradients). The unpacked gradients are intermediates
+    of the graph: only the packed buffers are kept.
     """
-    copies: List[Optional[Tensor]] = [None] * len(tensors)
-    groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
-    for i, (tensor, need) in enumerate(zip(tensors, needed)):
-        if tensor is not None and need:
-            groups.setdefault((tensor.dtype, tensor.device), []).append(i)
-    for members in groups.values():
-        parts = [tensors[i] for i in members]
-        if len(parts) == 1:
-            copies[members[0]] = parts[0].clone()
-            continue
-        flat = _flatten_dense_tensors(parts)
-        for i, view in zip(members, _unflatten_dense_tensors(flat, parts)):
-            copies[i] = view
-    return copies
+
+    def __init__(self, grads: Sequence[Optional[Tensor]]):
+        self.count = len(grads)
+        groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                groups.setdefault((grad.dtype, grad.device), []).append(i)
+        self.groups = [
+            (members, _flatten_dense_tensors([grads[i] for i in members]),
+             [torch.empty(grads[i].shape, device="meta") for i in members])
+            for members in groups.values()]
+
+    def fresh(self, needed: Sequence[bool]) -> List[Optional[Tensor]]:
+        copies: List[Optional[Tensor]] = [None] * self.count
+        for members, packed, shapes in self.groups:
+            for i, view in zip(members, _unflatten_dense_tensors(packed.clone(), shapes)):
+                if needed[i]:
+                    copies[i] = view
+        return copies
 
 
 class _Backward:
@@ -180,7 +187,7 @@ class _Backward:
         self.outputs = outputs
         self.needs = needs  # per output of the Function: whether it needs grad
         self.grad_outputs = grad_outputs  # static gradients of the outputs that need grad
-        self.results: List[Optional[Tensor]] = list(capture.outputs)
+        self.results: _PackedGradients = capture.outputs
         self.trained = trained  # the arguments that require grad
         self.leaves = [(weakref.ref(t), survey.name(t)) for t in leaves]
         self.frozen = [(weakref.ref(t), survey.name(t)) for t in frozen]
@@ -210,7 +217,7 @@ class _Backward:
                 src.append(grad)
         copy_all(dst, src)
         self.graph.replay()
-        return fresh_copies(self.results, needed)
+        return self.results.fresh(needed)
 
 
 class _Replay(torch.autograd.Function):
@@ -383,8 +390,9 @@ class TrainingGraph(Graph):
         # (the forward's casts are recorded in its autograd graph either way).
         def run_backward() -> Any:
             with torch.autocast(backend.device_type, enabled=False):
-                return torch.autograd.grad(differentiable, statics + leaves, grad_outputs,
-                                           retain_graph=True, allow_unused=True)
+                return _PackedGradients(torch.autograd.grad(
+                    differentiable, statics + leaves, grad_outputs, retain_graph=True,
+                    allow_unused=True))
 
         if backend.device_type == "cuda":
             _prepare_backward_thread(device, uses_cudnn)
