@@ -163,6 +163,12 @@ class _RecordedOp:
 
     def run(self, args: tuple, kwargs: dict) -> None:
         output = self.func(*args, **kwargs)
+        if self.func.namespace == "c10d":
+            # A collective's Work: the eager call waited on it (dist.all_reduce does, after
+            # the op), and the ops after it read its result.
+            for leaf in tree_flatten(output)[0]:
+                if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
+                    leaf.wait()
         if self.results:
             flat_output, _ = tree_flatten(output)
             for index, destination in self.results:

@@ -42,6 +42,7 @@ from ._buckets import BucketRule, Padding, padded_key, resized_examples
 from ._keys import (call_key, describe_parts, execution_state, flatten_arguments,
                     flatten_output, join_parts, unsupported_tensor)
 from ._profile import profile_range, torch_profiler
+from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ._progress import progress
 from ._reads import CallWatch, roots_of, shares_written_memory
 from ._scope import current_region, nested_calls
@@ -373,8 +374,11 @@ class Engine:
         # during capture by capture-aware code, so the capture's guard decides.
         detector = UnsafeOpDetector(entry.backend.device_type, raise_on_unsafe=False)
         watch = CallWatch()
-        with detector, watch:
+        collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
+        with detector, watch, collectives:
             outputs = c.call(*c.args, **c.kwargs)
+        if isinstance(collectives, CollectiveWatch):
+            entry.groups = collectives.groups
         entry.warmups += 1
         entry.uses_cudnn = detector.uses_cudnn
         entry.warmup_thread = threading.get_ident()
@@ -423,10 +427,8 @@ class Engine:
     def _capture(self, entry: Entry, c: "Call") -> Any:
         if self._over_max_graphs(entry, c.cache):
             return _NOT_CAPTURED
-        try:
-            graph = self._record(entry, c)
-        except CaptureFailed as failed:
-            self._fall_back(entry, failed.finding.message())
+        graph = self._agreed_record(entry, c)
+        if graph is None:
             return _NOT_CAPTURED
         entry.replays += 1
         with profile_range("replay", self.name, entry.label):
@@ -518,6 +520,28 @@ class Engine:
                              dataclasses.replace(padding, rows=size, bucket=size)))
         return examples
 
+    def _agreed_record(self, entry: Entry, c: "Call") -> Optional[Graph]:
+        """Record the key's graph, and if its calls run collectives, agree with the other
+        ranks of their groups (``_ranks``); None (the key now runs eagerly) if this rank or
+        another could not graph it."""
+        try:
+            graph: Optional[Graph] = self._record(entry, c)
+            failure = None
+        except CaptureFailed as failed:
+            graph, failure = None, failed.finding.message()
+        except BaseException:  # the user's own exception: the other ranks must not wait
+            if entry.groups:
+                agreed_failure(entry.groups, "it raised")
+            raise
+        if entry.groups:
+            failure = agreed_failure(entry.groups, failure)
+        if failure is not None:
+            if graph is not None:
+                graph.release()
+            self._fall_back(entry, failure)
+            return None
+        return graph
+
     def _capture_without_effects(self, entry: Entry, c: "Call") -> None:
         if self._over_max_graphs(entry, c.cache):
             return
@@ -530,10 +554,8 @@ class Engine:
                 self._watched_warmup(entry, c)
         finally:
             undo.restore()
-        try:
-            graph = self._record(entry, c)
-        except CaptureFailed as failed:
-            self._fall_back(entry, failed.finding.message())
+        graph = self._agreed_record(entry, c)
+        if graph is None:
             return
         graph.watch_reads()
         if graph.invalid_reason is None:

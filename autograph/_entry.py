@@ -32,7 +32,7 @@ class Entry:
                  "eager_calls", "replays", "warmups", "recaptures", "reason", "strict_error",
                  "graph", "written", "uses_cudnn", "warmup_thread", "strong_identities",
                  "identity_ids", "bucket", "sizes", "trains", "verify_left", "verified",
-                 "warmup_shapes", "__weakref__")
+                 "warmup_shapes", "groups", "__weakref__")
 
     def __init__(self, label: str, parts: List[str], options: Options, backend: Any,
                  device: int, bucket: Optional[int] = None):
@@ -56,6 +56,8 @@ class Entry:
         self.warmup_shapes: Optional[List[Any]] = None
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
+        # The process groups its warmup ran collectives on: their ranks agree on its capture.
+        self.groups: List[Any] = []
         self.sizes: Dict[int, int] = {}  # a bucket's calls by their real size
         # Verify mode: replays still to check against an eager run, set at each capture (the
         # replay path tests this one attribute); replays found to match.

@@ -66,6 +66,10 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[Tensor]:
              if argument.alias_info is not None and argument.alias_info.is_write]
     if func.overloadpacket in _UPDATES_RUNNING_STATS and values.get("training"):
         names += ["running_mean", "running_var"]
+    if func.namespace == "c10d" and func._schema.name.endswith("_"):
+        # torch.distributed's in-place collectives (allreduce_, allgather_, recv_...) write
+        # their tensors, and their schemas do not say so.
+        names += [name for name in values if name == "tensors" or name.startswith("output")]
     return list(tensors_in(values[name] for name in names))
 
 

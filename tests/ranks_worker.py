@@ -1,0 +1,106 @@
+"""Runs graphed functions with collectives in several processes, one rank each, and writes what
+each rank saw as JSON (for test_ranks.py, which starts it in a subprocess with a time limit).
+
+    python ranks_worker.py gloo 2 PORT OUT_DIR      # CPU processes, the CPU emulation
+    python ranks_worker.py nccl 1 PORT OUT_DIR      # one GPU: NCCL captured, then torn down
+"""
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import autograph
+from autograph.testing import emulate_graphs_on_cpu
+
+
+def states(fn):
+    return [(s.state, s.calls, s.eager_calls, s.replays, s.fallback_reason) for s in fn.stats()]
+
+
+def scenarios(rank, device):
+    """Every scenario runs on every rank, in the same order: collectives must match."""
+    seen = {}
+
+    @autograph.graphed
+    def reduced(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    seen["reduced"] = [reduced(torch.full((4,), float(i + rank), device=device)).tolist()
+                       for i in range(4)]
+    seen["reduced_states"] = states(reduced)
+
+    @autograph.graphed
+    def only_rank_1_reads(x):
+        y = x * 2
+        dist.all_reduce(y)
+        if rank == 1:
+            y.sum().item()  # a host read on one rank only
+        return y + 1
+
+    seen["diverging"] = [only_rank_1_reads(torch.full((4,), float(i + rank),
+                                                      device=device)).tolist()
+                         for i in range(4)]
+    seen["diverging_states"] = states(only_rank_1_reads)
+
+    @autograph.graphed
+    def reduce_argument(x):
+        dist.all_reduce(x)  # writes into the caller's tensor
+        return x * 2
+
+    arguments = [torch.full((3,), float(i + rank), device=device) for i in range(4)]
+    seen["argument_outputs"] = [reduce_argument(x).tolist() for x in arguments]
+    seen["arguments_after"] = [x.tolist() for x in arguments]
+    seen["argument_states"] = states(reduce_argument)
+
+    @autograph.graphed(strict=True)
+    def strict_diverging(x):
+        y = x + 1
+        dist.all_reduce(y)
+        if rank == 1:
+            y.sum().item()
+        return y
+
+    raised = []
+    for i in range(3):
+        try:
+            strict_diverging(torch.full((2,), float(i), device=device))
+        except autograph.CaptureError as error:
+            raised.append(str(error))
+    seen["strict_raised"] = raised
+    return seen
+
+
+def run(rank, backend, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if backend == "gloo":
+            with emulate_graphs_on_cpu():
+                seen = scenarios(rank, device)
+        else:
+            seen = scenarios(rank, device)
+    seen["warnings"] = [str(w.message) for w in caught
+                        if issubclass(w.category, autograph.AutographWarning)]
+    # The teardown order the README gives: graphs first, then the process group.
+    autograph.reset()
+    dist.destroy_process_group()
+    seen["destroyed"] = True
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+if __name__ == "__main__":
+    backend, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    mp.spawn(run, args=(backend, world, port, out), nprocs=world)
