@@ -12,6 +12,7 @@ once into a CUDA graph, then replayed. What cannot be graphed runs eagerly, with
 says why and where. See the README and SPEC.md for the contract.
 """
 from . import testing
+from ._capture import capture_stream
 from ._errors import AutographWarning, CaptureError
 from ._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
 from ._region import Region, RegionStats, region
@@ -31,6 +32,7 @@ __all__ = [
     "Region",
     "RegionStats",
     "VERIFY_TOLERANCES",
+    "capture_stream",
     "graphed",
     "region",
     "report",

@@ -19,7 +19,7 @@ import gc
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, List, Optional, Set
+from typing import Any, Callable, Iterator, List, Optional, Set, Union
 
 import torch
 
@@ -47,6 +47,26 @@ def _capture_stream(device: int) -> "torch.cuda.Stream":
     if stream is None:
         stream = _streams[device] = torch.cuda.Stream(device)
     return stream
+
+
+def capture_stream(device: Union[int, str, "torch.device", None] = None) -> "torch.cuda.Stream":
+    """The stream autograph captures on for one GPU (default: the current one), on which the
+    eager calls of training keys run and their backward replays.
+
+    >>> with torch.cuda.stream(autograph.capture_stream()):
+    ...     model = torch.nn.parallel.DistributedDataParallel(autograph.graphed(model))
+
+    Autograd accumulates a parameter's gradient on the stream its ``AccumulateGrad`` node was
+    made on (torch >= 2.9). DDP makes and keeps those nodes when it is built: built under this
+    stream, the graphed backward of the module inside hands it gradients without making the
+    default stream wait on a capture, which CUDA refuses.
+    """
+    if device is None or isinstance(device, int):
+        index = torch.cuda.current_device() if device is None else device
+    else:
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+    return _capture_stream(index)
 
 
 _prepared = threading.local()

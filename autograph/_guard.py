@@ -480,7 +480,7 @@ _STALE_ACCUMULATOR = (
     "call and still alive (the output or loss of an earlier eager call, or DDP built on the "
     "default stream), and a graph cannot capture the default stream. Drop references to "
     "earlier outputs before the first graphed call (del loss), or build DDP inside "
-    "`with torch.cuda.stream(torch.cuda.Stream()):`")
+    "`with torch.cuda.stream(autograph.capture_stream()):`")
 _SEEDING_CALL = re.compile(r"[\w.]*(?:seed|set_rng_state|set_state|fork_rng)\w*\(")
 
 

@@ -4,6 +4,7 @@ each rank saw as JSON (for test_ranks.py, which starts it in a subprocess with a
     python ranks_worker.py gloo 2 PORT OUT_DIR      # CPU processes, the CPU emulation
     python ranks_worker.py nccl 1 PORT OUT_DIR      # one GPU: NCCL captured, then torn down
 """
+import contextlib
 import json
 import os
 import sys
@@ -73,7 +74,40 @@ def scenarios(rank, device):
         except autograph.CaptureError as error:
             raised.append(str(error))
     seen["strict_raised"] = raised
+    eager, graphed = ddp_training(rank, device, False), ddp_training(rank, device, True)
+    seen["ddp_same_as_eager"] = eager[:2] == graphed[:2]
+    seen["ddp_states"] = graphed[2]
     return seen
+
+
+def ddp_training(rank, device, graph):
+    """Five DDP steps of a small model, each rank on its own data: (losses, parameters,
+    the graphed module's states)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
+                                torch.nn.Linear(16, 1)).to(device)
+    if graph:
+        model = autograph.graphed(model)
+    on_gpu = device.startswith("cuda")
+    # DDP keeps its parameters' AccumulateGrad nodes: build it on autograph's stream
+    with torch.cuda.stream(autograph.capture_stream()) if on_gpu else contextlib.nullcontext():
+        ddp = DistributedDataParallel(model, device_ids=[rank] if on_gpu else None)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    torch.manual_seed(1 + rank)
+    losses = []
+    for _ in range(5):
+        x = torch.randn(16, 8, device=device)
+        optimizer.zero_grad()
+        loss = ddp(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    parameters = [p.detach().cpu().tolist() for p in ddp.parameters()]
+    rows = [(s.state, s.calls, s.eager_calls, s.replays, s.fallback_reason)
+            for s in autograph.stats(model)] if graph else None
+    return losses, parameters, rows
 
 
 def run(rank, backend, world, port, out):

@@ -62,6 +62,9 @@ def test_ranks_replay_collectives_and_decide_alike(tmp_path):
     assert ".item()" in rank1["diverging_states"][0][4]
     assert "rank 1" in rank0["diverging_states"][0][4]
     assert any("rank 1" in w and "decide alike" in w for w in rank0["warnings"])
+    for seen in (rank0, rank1):  # DDP around a graphed module: forward and backward graphed
+        assert seen["ddp_same_as_eager"]
+        assert [s[:4] for s in seen["ddp_states"]] == [["graphed", 5, 1, 4]]
     # strict: both ranks raise (rank 0 because rank 1 could not graph it); neither waits
     assert rank1["strict_raised"] and ".item()" in rank1["strict_raised"][0]
     assert rank0["strict_raised"] and "rank 1" in rank0["strict_raised"][0]
@@ -77,4 +80,6 @@ def test_nccl_collectives_are_captured_and_the_process_group_tears_down(tmp_path
     assert [s[:4] for s in seen["reduced_states"]] == [["graphed", 4, 1, 3]]
     assert [s[:4] for s in seen["argument_states"]] == [["graphed", 4, 1, 3]]
     assert seen["arguments_after"] == [[float(i)] * 3 for i in range(4)]
+    assert seen["ddp_same_as_eager"]
+    assert [s[:4] for s in seen["ddp_states"]] == [["graphed", 5, 1, 4]]
     assert seen["destroyed"]
