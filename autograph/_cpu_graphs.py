@@ -385,7 +385,11 @@ class CpuGraphs:
 
 
 CPU = CpuGraphs()
-_recording = threading.local()
+class _Recording(threading.local):
+    active = False  # a class default: no exception for a thread that never recorded
+
+
+_recording = _Recording()
 
 
 def is_recording() -> bool:
@@ -395,7 +399,7 @@ def is_recording() -> bool:
     ...     CPU.capture(lambda: is_recording(), -1, None).outputs
     True
     """
-    return getattr(_recording, "active", False)
+    return _recording.active
 _emulating = False
 
 

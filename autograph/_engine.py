@@ -83,6 +83,10 @@ def _inside_a_capture() -> bool:
                               and torch._C._cuda_isCurrentStreamCapturing())
 
 
+_NO_CUDA = "CUDA is not available"
+_ON_THE_CPU = "its tensors are on the CPU; CUDA graphs replay GPU work only"
+
+
 def _devices(tensors: List[Tensor]) -> Tuple[Any, int, Optional[str], bool]:
     """(backend, device index, reason not to graph, whether that reason deserves a warning)."""
     types = {t.device.type for t in tensors}
@@ -94,17 +98,37 @@ def _devices(tensors: List[Tensor]) -> Tuple[Any, int, Optional[str], bool]:
     if not tensors:
         if torch.cuda.is_available():
             return CUDA, torch.cuda.current_device(), None, False
-        return None, -1, "CUDA is not available", False
+        return None, -1, _NO_CUDA, False
     if types == {"cpu"}:
         if is_emulating():
             return CPU, -1, None, False
         if not torch.cuda.is_available():
-            return None, -1, "CUDA is not available", False
-        return None, -1, "its tensors are on the CPU; CUDA graphs replay GPU work only", False
+            return None, -1, _NO_CUDA, False
+        return None, -1, _ON_THE_CPU, False
     if "cuda" in types and "cpu" in types:
         return None, -1, ("it mixes CPU and CUDA tensors; the CPU work would not be replayed. "
                           "Move every tensor argument to the GPU"), True
     return None, -1, f"its tensors are on {sorted(types)}, not CUDA", False
+
+
+_cuda_found: List[bool] = []  # torch.cuda.is_available(), asked once: it costs 0.6 us
+
+
+def _eager_whatever_the_key(args: tuple, kwargs: dict) -> Optional[str]:
+    """Why a call runs eagerly whatever its key would be, or None; asked before keying, so
+    that such calls cost about what the bare call does."""
+    if is_emulating():
+        return None
+    if not _cuda_found:
+        _cuda_found.append(torch.cuda.is_available())
+    if not _cuda_found[0]:
+        return _NO_CUDA
+    if not args or kwargs:
+        return None
+    for a in args:
+        if type(a) is not Tensor or a.is_cuda:
+            return None
+    return _ON_THE_CPU
 
 
 def _needs_gradients(tensors: Sequence[Tensor], instance: Any) -> bool:
@@ -156,6 +180,8 @@ class Engine:
             weakref.WeakKeyDictionary()
         self.instance_numbers = itertools.count(1)
         self.lock = threading.Lock()
+        # Calls that ran eagerly before being keyed (no CUDA, CPU tensors): count per reason.
+        self.eager_tally: Dict[str, int] = {}
         _stats.register(self)
 
     # ---- the call ----
@@ -185,6 +211,10 @@ class Engine:
     def _call(self, call: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         region = current_region()
         if (region is not None and not region.enabled) or _inside_a_capture():
+            return call(*args, **kwargs)
+        reason = _eager_whatever_the_key(args, kwargs)
+        if reason is not None:
+            self.eager_tally[reason] = self.eager_tally.get(reason, 0) + 1
             return call(*args, **kwargs)
         cache = self.cache_for(instance) if self.per_instance and instance is not None \
             else self.cache
@@ -611,9 +641,14 @@ class Engine:
             return [self.cache, *self.instance_caches.values()]
 
     def stats(self) -> List[_stats.KeyStats]:
-        return [row for cache in self.caches() for row in cache.stats()]
+        tallied = [_stats.KeyStats(
+            function=self.name, key="every call", state=EAGER, calls=count, eager_calls=count,
+            replays=0, capture_seconds=None, graph_bytes=0, fallback_reason=reason)
+            for reason, count in list(self.eager_tally.items())]
+        return [row for cache in self.caches() for row in cache.stats()] + tallied
 
     def reset(self) -> None:
+        self.eager_tally.clear()
         self.free({device for cache in self.caches() for device in cache.release()})
 
     @staticmethod

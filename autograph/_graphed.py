@@ -82,6 +82,17 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
 
 GraphedFunction.__bound_function_wrapper__ = BoundGraphedFunction
 
+
+class _GraphedPlainFunction(GraphedFunction):
+    """A graphed plain function: called directly, it goes straight to its engine.
+
+    wrapt's general call (which also serves classmethods, staticmethods and builtins) costs
+    about 0.3 us more per call than this one Python call; through a class or an instance the
+    function still binds through wrapt, as a method."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_engine(self.__wrapped__, None, args, kwargs)
+
 _numbers: Dict[str, "itertools.count[int]"] = {}
 _numbers_lock = threading.Lock()
 
@@ -234,4 +245,6 @@ def _graph(fn: Any, options: Dict[str, Any]) -> Any:
         raise TypeError(f"autograph.graphed expects a function, a method or an nn.Module, "
                         f"not {type(fn).__name__} ({fn!r}).")
     _refuse_generators(fn)
+    if inspect.isfunction(fn):
+        return _GraphedPlainFunction(fn, options)
     return GraphedFunction(fn, options)

@@ -113,7 +113,8 @@ def engine_of(module: torch.nn.Module) -> Any:
 
 
 def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
-    if inside_a_graphed_call() or current_region() is None or isinstance(
+    region = current_region()
+    if region is None or not region.enabled or inside_a_graphed_call() or isinstance(
             module.__dict__.get("forward"), GraphedForward):  # graphed(module) graphs itself
         return _original_call(module, *args, **kwargs)
     engine = _module_engines.get(module)

@@ -13,20 +13,25 @@ from __future__ import annotations
 import threading
 from typing import Any, List, Optional
 
-_thread = threading.local()
+class _ThreadState(threading.local):
+    # Set per thread on its first use: a missing attribute with getattr's default costs an
+    # exception, about 0.4 us on every call.
+    def __init__(self) -> None:
+        self.regions: List[Any] = []
+        self.depth = 0
+
+
+_thread = _ThreadState()
 
 
 def current_region() -> Optional[Any]:
     """The innermost region open in this thread, or None."""
-    stack = getattr(_thread, "regions", None)
+    stack = _thread.regions
     return stack[-1] if stack else None
 
 
 def enter_region(region: Any) -> None:
-    stack: Optional[List[Any]] = getattr(_thread, "regions", None)
-    if stack is None:
-        stack = _thread.regions = []
-    stack.append(region)
+    _thread.regions.append(region)
 
 
 def leave_region(region: Any) -> None:
@@ -36,14 +41,14 @@ def leave_region(region: Any) -> None:
 def inside_a_graphed_call() -> bool:
     """Whether this thread is running a graphed call's function (its module calls are part
     of that call, not top-level calls of their own)."""
-    return bool(getattr(_thread, "depth", 0))
+    return _thread.depth > 0
 
 
 class nested_calls:
     """Module calls made inside this block belong to the enclosing graphed call."""
 
     def __enter__(self) -> None:
-        _thread.depth = getattr(_thread, "depth", 0) + 1
+        _thread.depth += 1
 
     def __exit__(self, *exc: Any) -> None:
         _thread.depth -= 1

@@ -616,3 +616,27 @@ def test_dataclass_and_namedtuple_outputs(device):
         assert torch.equal(prediction.logits, x * 2)
         assert isinstance(pair, Pair) and torch.equal(pair.first, x + 1) and pair.second is None
     assert states(f) == [("graphed", 4, 1, 3)]
+
+
+def test_calls_that_cannot_be_graphed_whatever_their_key_run_eagerly_in_silence(caught):
+    # No emulation: CPU tensors have no graph (and this machine may have no GPU at all)
+    @autograph.graphed
+    def add(x, y):
+        return x + y
+
+    ones = torch.ones(3)
+    for _ in range(3):
+        assert torch.equal(add(ones, ones), ones * 2)
+    assert torch.equal(add(ones, y=ones), ones * 2)
+    rows = add.stats()
+    if torch.cuda.is_available():  # CPU tensors: a keyword argument takes the keyed path
+        assert [(r.key == "every call", r.state, r.calls, r.eager_calls) for r in rows] == [
+            (False, "eager", 1, 1), (True, "eager", 3, 3)]
+        assert {r.fallback_reason for r in rows} == {
+            "its tensors are on the CPU; CUDA graphs replay GPU work only"}
+    else:  # no GPU at all: no call is keyed
+        assert [(r.key, r.state, r.calls, r.eager_calls, r.fallback_reason) for r in rows] \
+            == [("every call", "eager", 4, 4, "CUDA is not available")]
+    assert autograph_warnings(caught) == []
+    add.reset()
+    assert add.stats() == []
