@@ -210,11 +210,13 @@ class Engine:
 
     def _call(self, call: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         region = current_region()
-        if (region is not None and not region.enabled) or _inside_a_capture():
+        if region is not None and not region.enabled:
             return call(*args, **kwargs)
         reason = _eager_whatever_the_key(args, kwargs)
         if reason is not None:
             self.eager_tally[reason] = self.eager_tally.get(reason, 0) + 1
+            return call(*args, **kwargs)
+        if _inside_a_capture():
             return call(*args, **kwargs)
         cache = self.cache_for(instance) if self.per_instance and instance is not None \
             else self.cache

@@ -7,12 +7,17 @@ Against it: a hand-written loop with one batched ``torch._foreach_copy_``, repla
 and the replay alone; all interleaved in one process. Then the cost of the paths that do not
 graph, each minus the bare function: autograph disabled (``AUTOGRAPH_DISABLE``, set in this
 process by swapping ``autograph._config.ENV``), inside ``autograph.region(enabled=False)``,
-CPU tensors (no CUDA graph: they run eagerly), and a module called in a disabled region.
+CPU tensors (no CUDA graph: they run eagerly), a module called in a disabled region, and a
+graphed function on a machine without CUDA (a subprocess with ``CUDA_VISIBLE_DEVICES=""``).
 About 30 s on an H200."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -56,6 +61,36 @@ def autograph_disabled():
         yield
     finally:
         _config.ENV = before
+
+
+# Run in a process that sees no GPU: the bare function and the graphed one, interleaved,
+# best of 9 rounds of 20000 calls each (us per call).
+_WITHOUT_CUDA = """
+import json, time, torch, autograph
+def catn(*tensors):
+    return torch.cat(tensors)
+step = autograph.graphed(catn)
+tensors = [torch.randn(64) for _ in range(4)]
+best = {"bare": float("inf"), "graphed": float("inf")}
+for _ in range(9):
+    for name, call in (("bare", lambda: catn(*tensors)), ("graphed", lambda: step(*tensors))):
+        start = time.perf_counter()
+        for _ in range(20000):
+            call()
+        best[name] = min(best[name], (time.perf_counter() - start) / 20000 * 1e6)
+print(json.dumps({**best, "cuda": torch.cuda.is_available(),
+                  "states": [r.state for r in step.stats()]}))
+"""
+
+
+def without_cuda() -> dict:
+    """The bare and graphed call's cost in a process that sees no GPU."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+               os.path.abspath(autograph.__file__))), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _WITHOUT_CUDA], env=env, capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def case_overhead(rows, with_compile):
@@ -125,6 +160,10 @@ def case_overhead(rows, with_compile):
             ("graphed function on 4 CPU tensors (runs eagerly)", "cpu", "bare cpu",
              all(r.state == "eager" for r in on_cpu.stats()) or dev != "cuda"),
         ]
+        alone = without_cuda()
+        us["no cuda"], us["bare no cuda"] = alone["graphed"], alone["bare"]
+        checks.append(("graphed function on a machine without CUDA (4 CPU tensors)", "no cuda",
+                       "bare no cuda", not alone["cuda"] and alone["states"] == ["eager"]))
         for variant, key, bare, no_graph in checks:
             extra = us[key] - us[bare]
             add_row(rows, DISABLED, variant, extra, unit="us",
