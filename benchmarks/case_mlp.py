@@ -1,9 +1,11 @@
 """(a) A 32-layer Linear(512)+GELU MLP at batch 1 in bf16: eager, a hand-written
-capture/replay loop, make_graphed_callables, autograph (module and function), and
-torch.compile(mode="reduce-overhead"). About 20 s on an H200 (compile 5 s of it)."""
+capture/replay loop, make_graphed_callables, autograph (module and function),
+torch.compile(mode="reduce-overhead"), and autograph around torch.compile (the compiled module,
+and a compiled step function). About 30 s on an H200 (compile 15 s of it)."""
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 
@@ -16,8 +18,6 @@ NAME = "(a) MLP 32x512 bf16, batch 1"
 
 def compiled(fn, example, calls=3):
     """torch.compile(mode="reduce-overhead") and the time of its first ``calls`` calls."""
-    import time
-
     compiled_fn = compile_for_bench(fn, mode="reduce-overhead")
     start = time.perf_counter()
     for _ in range(calls):
@@ -49,5 +49,25 @@ def case_mlp(rows, with_compile):
         if with_compile:
             progress("compiling (reduce-overhead)")
             fn, seconds = compiled(copy.deepcopy(model), (x,))
-            timed(rows, NAME, 'torch.compile("reduce-overhead")', lambda: fn(x),
-                  note=f"first 3 calls {seconds:.1f} s", kind="compile")
+            compile_us = timed(rows, NAME, 'torch.compile("reduce-overhead")', lambda: fn(x),
+                               note=f"first 3 calls {seconds:.1f} s", kind="compile")
+            progress("compiling for autograph (default mode)")
+            inner = copy.deepcopy(model)
+            variants = {
+                "autograph.graphed(torch.compile(model))":
+                    autograph.graphed(compile_for_bench(copy.deepcopy(model))),
+                "autograph.graphed(torch.compile(step))":
+                    autograph.graphed(compile_for_bench(lambda x: inner(x))),
+            }
+            for variant, graphed in variants.items():
+                start = time.perf_counter()
+                for _ in range(3):
+                    graphed(x)
+                sync()
+                seconds = time.perf_counter() - start
+                error = (graphed(x).float() - model(x).float()).abs().max().item()
+                us = timed(rows, NAME, variant, lambda: graphed(x), kind="autograph",
+                           note=f"first 3 calls {seconds:.1f} s; max |error| vs eager "
+                                f"{error:.3g}; keys: "
+                                + ", ".join(r.state for r in autograph.stats(graphed)))
+                with_ratio(rows, us, compile_us, "reduce-overhead")
