@@ -165,8 +165,11 @@ class CudaGraphs:
         caller = torch.cuda.current_stream(device)
         stream = _capture_stream(device)
         stream.wait_stream(caller)
+        current = torch.cuda.current_device()
         try:
-            with torch.cuda.stream(stream):
+            # torch.cuda.stream() also makes the stream's device current: the call must see
+            # the current device it was made with (a graph on cuda:1 called from cuda:0).
+            with torch.cuda.stream(stream), torch.cuda.device(current):
                 yield
         finally:
             caller.wait_stream(stream)

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ._capture import Capture
+from ._ranks import COLLECTIVE_NAMESPACES
 from ._reads import written_tensors
 
 _aten = torch.ops.aten
@@ -163,12 +164,15 @@ class _RecordedOp:
 
     def run(self, args: tuple, kwargs: dict) -> None:
         output = self.func(*args, **kwargs)
-        if self.func.namespace == "c10d":
-            # A collective's Work: the eager call waited on it (dist.all_reduce does, after
-            # the op), and the ops after it read its result.
+        if self.func.namespace in COLLECTIVE_NAMESPACES:
+            # A collective's result is ready once waited on, as the eager call waited on it
+            # (dist.all_reduce waits on its Work; a functional collective's result on its
+            # first use), and it is copied into the graph's memory below only then.
             for leaf in tree_flatten(output)[0]:
                 if isinstance(leaf, torch.ScriptObject) and hasattr(leaf, "wait"):
                     leaf.wait()
+                elif isinstance(leaf, torch.Tensor) and self.func.namespace != "c10d":
+                    torch.ops._c10d_functional.wait_tensor(leaf)
         if self.results:
             flat_output, _ = tree_flatten(output)
             for index, destination in self.results:
@@ -222,7 +226,8 @@ class _Recorder(TorchDispatchMode):
         held = [self._hold(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         output = func(*args, **kwargs)
         results = self._new_tensors(output, inputs)
-        if written or results:
+        if written or results or func.namespace in COLLECTIVE_NAMESPACES:
+            # (a collective that writes nothing new still runs, and waits, at every replay)
             self.ops.append(_RecordedOp(func, held, spec, results))
         return output
 

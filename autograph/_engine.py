@@ -115,20 +115,17 @@ _cuda_found: List[bool] = []  # torch.cuda.is_available(), asked once: it costs 
 
 
 def _eager_whatever_the_key(args: tuple, kwargs: dict) -> Optional[str]:
-    """Why a call runs eagerly whatever its key would be, or None; asked before keying, so
-    that such calls cost about what the bare call does."""
-    if is_emulating():
-        return None
-    if not _cuda_found:
-        _cuda_found.append(torch.cuda.is_available())
-    if not _cuda_found[0]:
-        return _NO_CUDA
-    if not args or kwargs:
+    """Why a call of plain CPU tensors runs eagerly whatever its key would be, or None; asked
+    before keying, so that such calls cost about what the bare call does. (Other calls are
+    keyed first: an unhashable argument is an error everywhere, with or without CUDA.)"""
+    if kwargs or not args or is_emulating():
         return None
     for a in args:
         if type(a) is not Tensor or a.is_cuda:
             return None
-    return _ON_THE_CPU
+    if not _cuda_found:
+        _cuda_found.append(torch.cuda.is_available())
+    return _ON_THE_CPU if _cuda_found[0] else _NO_CUDA
 
 
 def _needs_gradients(tensors: Sequence[Tensor], instance: Any) -> bool:
@@ -214,7 +211,8 @@ class Engine:
             return call(*args, **kwargs)
         reason = _eager_whatever_the_key(args, kwargs)
         if reason is not None:
-            self.eager_tally[reason] = self.eager_tally.get(reason, 0) + 1
+            with self.lock:
+                self.eager_tally[reason] = self.eager_tally.get(reason, 0) + 1
             return call(*args, **kwargs)
         if _inside_a_capture():
             return call(*args, **kwargs)
@@ -643,14 +641,17 @@ class Engine:
             return [self.cache, *self.instance_caches.values()]
 
     def stats(self) -> List[_stats.KeyStats]:
+        with self.lock:
+            tally = list(self.eager_tally.items())
         tallied = [_stats.KeyStats(
             function=self.name, key="every call", state=EAGER, calls=count, eager_calls=count,
             replays=0, capture_seconds=None, graph_bytes=0, fallback_reason=reason)
-            for reason, count in list(self.eager_tally.items())]
+            for reason, count in tally]
         return [row for cache in self.caches() for row in cache.stats()] + tallied
 
     def reset(self) -> None:
-        self.eager_tally.clear()
+        with self.lock:
+            self.eager_tally.clear()
         self.free({device for cache in self.caches() for device in cache.release()})
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""Every rank decides alike (SPEC 10): a key whose calls run collectives is graphed on every
-rank of their process groups, or on none.
+"""Every rank decides alike (SPEC 10): a key whose calls run collectives is graphed on every rank
+of their process groups, or on none.
 
 >>> watch = CollectiveWatch()
 >>> with watch:                              # the last warmup call
@@ -12,20 +12,39 @@ once, so a key graphed on one rank and eager on another still matches collective
 call. What the ranks must agree on is the decision itself: with ``strict=True`` a rank whose
 capture fails raises while the others would go on into a collective and wait for it forever;
 and a rank left eager is the slow rank every step. So at the one point where a key's fate is
-decided (after its capture, success or not) the ranks of each group its warmup used exchange
-one small vector, and a key graphed here but not on another rank runs eagerly here too, with
-that rank's reason. Only keys whose warmup ran a collective pay for it, once per capture.
+decided (after its capture, success or not) each rank of every group its warmup used posts
+its verdict in the process group's store and reads the others'; a key graphed here but not on
+another rank runs eagerly here too, with that rank named. Only keys whose warmup ran a
+collective pay for it, once per capture.
+
+The votes go through the store (the rendezvous's key-value store), not a collective: a vote
+never pairs with a user's collective, whatever the ranks do in between. Votes are matched by
+their order in each group (the n-th capture decision of a rank with the n-th of the others),
+which holds for SPMD code; a rank whose vote does not come within ``VOTE_TIMEOUT`` is taken to
+have failed, and this rank's vote is turned into a failure, so that it too decides eagerly.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import datetime
+import itertools
+import threading
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._config import logger
+
 # Namespaces of the ops that torch.distributed's collectives reach the dispatcher as: the
 # process-group API (dist.all_reduce) and the functional collectives (tensor parallelism).
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+# How long a rank waits for the others' votes on one capture.
+VOTE_TIMEOUT = datetime.timedelta(seconds=60)
+
+_OK, _FAILED = b"ok", b"failed"
+_votes: Dict[tuple, "itertools.count[int]"] = {}  # per group: the number of this rank's votes
+_votes_lock = threading.Lock()
 
 
 def distributed_is_on() -> bool:
@@ -65,35 +84,52 @@ class CollectiveWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if func.namespace in _COLLECTIVE_NAMESPACES:
+        if func.namespace in COLLECTIVE_NAMESPACES:
             group = _group_of(func, args, kwargs)
             if group is not None and all(group is not known for known in self.groups):
                 self.groups.append(group)
         return func(*args, **kwargs)
 
 
+def _vote(group: Any, failed: bool) -> Optional[int]:
+    """Post this rank's vote on its next capture decision in ``group`` and read the others';
+    the global rank of the first that failed (or did not vote in time), or None."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    ranks = tuple(dist.get_process_group_ranks(group))
+    with _votes_lock:
+        number = next(_votes.setdefault(ranks, itertools.count()))
+    store = _get_default_store()
+    prefix = f"autograph/vote/{','.join(map(str, ranks))}/{number}/"
+    me = dist.get_rank()
+    store.set(prefix + str(me), _FAILED if failed else _OK)
+    for rank in ranks:
+        if rank == me:
+            continue
+        try:
+            store.wait([prefix + str(rank)], VOTE_TIMEOUT)
+            vote = store.get(prefix + str(rank))
+        except RuntimeError:  # no vote in time: that rank is not deciding this key now
+            logger.warning("autograph: rank %d did not vote on a capture within %s; this "
+                           "rank runs the key eagerly", rank, VOTE_TIMEOUT)
+            store.set(prefix + str(me), _FAILED)
+            return rank
+        if vote != _OK:
+            return rank
+    return None
+
+
 def agreed_failure(groups: List[Any], failure: Optional[str]) -> Optional[str]:
     """Tell the other ranks of ``groups`` whether this rank graphed the key (``failure`` is
     None) and return why it must run eagerly: this rank's ``failure``, or the first other rank
-    that could not graph it. Every rank of these groups must call this for the same key."""
-    import torch.distributed as dist
-
+    that could not graph it. Every rank of these groups must call this for the same key, as
+    SPMD code does; with several groups, each is asked in the order the warmup used them."""
     for group in groups:
-        ranks = dist.get_world_size(group)
-        backend = str(dist.get_backend(group))
-        device = "cpu" if "gloo" in backend or not torch.cuda.is_available() \
-            else torch.device("cuda", torch.cuda.current_device())
-        failed = torch.zeros(ranks, dtype=torch.int32, device=device)
-        if failure is not None:
-            failed[dist.get_rank(group)] = 1
-        dist.all_reduce(failed, group=group)
-        if failure is None:
-            others = [rank for rank, flag in enumerate(failed.tolist()) if flag]
-            if others:
-                global_rank = dist.get_global_rank(group, others[0]) \
-                    if hasattr(dist, "get_global_rank") else others[0]
-                failure = (f"rank {global_rank} of its process group could not graph it, "
-                           f"and every rank must decide alike (a graph on some ranks and "
-                           f"eager calls on others would wait on each other); see that "
-                           f"rank's warning for the cause")
+        other = _vote(group, failure is not None)
+        if failure is None and other is not None:
+            failure = (f"rank {other} could not graph it, and every rank of its process "
+                       f"group must decide alike (a graph on some ranks and eager calls on "
+                       f"others make the eager ranks the slow ones, and under strict=True "
+                       f"would leave ranks waiting); see that rank's warning for the cause")
     return failure

@@ -151,12 +151,14 @@ class _PackedGradients:
     of the graph: only the packed buffers are kept.
     """
 
-    def __init__(self, grads: Sequence[Optional[Tensor]]):
+    def __init__(self, grads: Sequence[Optional[Tensor]], alone: int = 0):
         self.count = len(grads)
-        groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+        # The first ``alone`` (the arguments' gradients) get a buffer each: a kept x.grad must
+        # not keep a whole step of parameter gradients alive.
+        groups: Dict[Any, List[int]] = {}
         for i, grad in enumerate(grads):
             if grad is not None:
-                groups.setdefault((grad.dtype, grad.device), []).append(i)
+                groups.setdefault(i if i < alone else (grad.dtype, grad.device), []).append(i)
         self.groups = [
             (members, _flatten_dense_tensors([grads[i] for i in members]),
              [torch.empty(grads[i].shape, device="meta") for i in members])
@@ -392,7 +394,7 @@ class TrainingGraph(Graph):
             with torch.autocast(backend.device_type, enabled=False):
                 return _PackedGradients(torch.autograd.grad(
                     differentiable, statics + leaves, grad_outputs, retain_graph=True,
-                    allow_unused=True))
+                    allow_unused=True), alone=len(statics))
 
         if backend.device_type == "cuda":
             _prepare_backward_thread(device, uses_cudnn)

@@ -5,6 +5,7 @@ each rank saw as JSON (for test_ranks.py, which starts it in a subprocess with a
     python ranks_worker.py nccl 1 PORT OUT_DIR      # one GPU: NCCL captured, then torn down
 """
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -74,10 +75,26 @@ def scenarios(rank, device):
         except autograph.CaptureError as error:
             raised.append(str(error))
     seen["strict_raised"] = raised
+    seen["unmatched_vote"] = unmatched_vote(rank, device)
     eager, graphed = ddp_training(rank, device, False), ddp_training(rank, device, True)
     seen["ddp_same_as_eager"] = eager[:2] == graphed[:2]
     seen["ddp_states"] = graphed[2]
     return seen
+
+
+def unmatched_vote(rank, device):
+    """Rank 0 votes on a capture that rank 1 never makes, then both run a collective: the vote
+    (in the store) times out on rank 0 and pairs with nothing, and the collective is right."""
+    from autograph import _ranks
+
+    before, _ranks.VOTE_TIMEOUT = _ranks.VOTE_TIMEOUT, datetime.timedelta(seconds=2)
+    try:
+        failure = _ranks.agreed_failure([dist.group.WORLD], None) if rank == 0 else None
+    finally:
+        _ranks.VOTE_TIMEOUT = before
+    value = torch.full((2,), float(rank + 1), device=device)
+    dist.all_reduce(value)
+    return {"failure": failure, "reduced": value.tolist()}
 
 
 def ddp_training(rank, device, graph):

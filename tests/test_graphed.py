@@ -634,9 +634,18 @@ def test_calls_that_cannot_be_graphed_whatever_their_key_run_eagerly_in_silence(
             (False, "eager", 1, 1), (True, "eager", 3, 3)]
         assert {r.fallback_reason for r in rows} == {
             "its tensors are on the CPU; CUDA graphs replay GPU work only"}
-    else:  # no GPU at all: no call is keyed
-        assert [(r.key, r.state, r.calls, r.eager_calls, r.fallback_reason) for r in rows] \
-            == [("every call", "eager", 4, 4, "CUDA is not available")]
+    else:  # no GPU at all; the call with a keyword argument is keyed
+        assert [(r.key == "every call", r.state, r.calls, r.eager_calls, r.fallback_reason)
+                for r in rows] == [(False, "eager", 1, 1, "CUDA is not available"),
+                                   (True, "eager", 3, 3, "CUDA is not available")]
+
+
+    @autograph.graphed
+    def scale(x, cfg):
+        return x * len(cfg)
+
+    with pytest.raises(TypeError, match="cfg"):  # keyed: an unhashable value is named, GPU or not
+        scale(ones, bytearray(b"x"))
     assert autograph_warnings(caught) == []
     add.reset()
     assert add.stats() == []

@@ -65,6 +65,10 @@ def test_ranks_replay_collectives_and_decide_alike(tmp_path):
     for seen in (rank0, rank1):  # DDP around a graphed module: forward and backward graphed
         assert seen["ddp_same_as_eager"]
         assert [s[:4] for s in seen["ddp_states"]] == [["graphed", 5, 1, 4]]
+    # a vote that another rank never casts times out (votes go through the store, so it
+    # pairs with no collective); the collective after it is right
+    assert "rank 1" in rank0["unmatched_vote"]["failure"]
+    assert rank0["unmatched_vote"]["reduced"] == rank1["unmatched_vote"]["reduced"] == [3.0] * 2
     # strict: both ranks raise (rank 0 because rank 1 could not graph it); neither waits
     assert rank1["strict_raised"] and ".item()" in rank1["strict_raised"][0]
     assert rank0["strict_raised"] and "rank 1" in rank0["strict_raised"][0]

@@ -225,7 +225,9 @@ def test_an_autograd_graph_kept_from_before_autograph_is_named_with_the_fix(caug
         twin(x).sum().backward()
     assert same(grads_of(model), grads_of(twin))
     (row,) = autograph.stats(graphed)
-    if row.state == "eager":  # torch >= 2.9: gradients accumulate on the nodes' own stream
+    # torch >= 2.9 accumulates a gradient on its node's own stream (and says so in a warning
+    # that this setter silences); before, the kept graph did not matter
+    if hasattr(torch.autograd.graph, "set_warn_on_accumulate_grad_stream_mismatch"):
         assert "del loss" in row.fallback_reason and "default stream" in row.fallback_reason
         assert states(graphed) == [("eager", 3, 3, 0)]
     else:
