@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from conftest import requires_cuda
