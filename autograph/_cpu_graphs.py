@@ -390,6 +390,8 @@ class CpuGraphs:
 
 
 CPU = CpuGraphs()
+
+
 class _Recording(threading.local):
     active = False  # a class default: no exception for a thread that never recorded
 
@@ -405,6 +407,8 @@ def is_recording() -> bool:
     True
     """
     return _recording.active
+
+
 _emulating = False
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import sys
@@ -83,6 +84,12 @@ def _inside_a_capture() -> bool:
                               and torch._C._cuda_isCurrentStreamCapturing())
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), asked once: it costs 0.6 us, and cannot change."""
+    return torch.cuda.is_available()
+
+
 _NO_CUDA = "CUDA is not available"
 _ON_THE_CPU = "its tensors are on the CPU; CUDA graphs replay GPU work only"
 
@@ -96,22 +103,19 @@ def _devices(tensors: List[Tensor]) -> Tuple[Any, int, Optional[str], bool]:
             return CUDA, indices.pop(), None, False
         return None, -1, f"its tensors are on several GPUs ({sorted(indices)})", True
     if not tensors:
-        if torch.cuda.is_available():
+        if _cuda_available():
             return CUDA, torch.cuda.current_device(), None, False
         return None, -1, _NO_CUDA, False
     if types == {"cpu"}:
         if is_emulating():
             return CPU, -1, None, False
-        if not torch.cuda.is_available():
+        if not _cuda_available():
             return None, -1, _NO_CUDA, False
         return None, -1, _ON_THE_CPU, False
     if "cuda" in types and "cpu" in types:
         return None, -1, ("it mixes CPU and CUDA tensors; the CPU work would not be replayed. "
                           "Move every tensor argument to the GPU"), True
     return None, -1, f"its tensors are on {sorted(types)}, not CUDA", False
-
-
-_cuda_found: List[bool] = []  # torch.cuda.is_available(), asked once: it costs 0.6 us
 
 
 def _eager_whatever_the_key(args: tuple, kwargs: dict) -> Optional[str]:
@@ -123,9 +127,7 @@ def _eager_whatever_the_key(args: tuple, kwargs: dict) -> Optional[str]:
     for a in args:
         if type(a) is not Tensor or a.is_cuda:
             return None
-    if not _cuda_found:
-        _cuda_found.append(torch.cuda.is_available())
-    return _ON_THE_CPU if _cuda_found[0] else _NO_CUDA
+    return _ON_THE_CPU if _cuda_available() else _NO_CUDA
 
 
 def _needs_gradients(tensors: Sequence[Tensor], instance: Any) -> bool:

@@ -93,6 +93,7 @@ class _GraphedPlainFunction(GraphedFunction):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._self_engine(self.__wrapped__, None, args, kwargs)
 
+
 _numbers: Dict[str, "itertools.count[int]"] = {}
 _numbers_lock = threading.Lock()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from typing import Any, List, Optional
 
+
 class _ThreadState(threading.local):
     # Set per thread on its first use: a missing attribute with getattr's default costs an
     # exception, about 0.4 us on every call.

@@ -41,7 +41,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._capture import Capture, _capture_stream
+from ._capture import CUDA, Capture
 from ._config import logger
 from ._graph import CaptureFailed, Graph, Refusal, capture_failure
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
@@ -119,20 +119,16 @@ def _prepare_backward_thread(device: int, cudnn: bool) -> None:
     """
     if (device, cudnn) in _prepared:
         return
-    stream = _capture_stream(device)
-    with torch.cuda.device(device):
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), torch.enable_grad(), \
-                torch.autocast("cuda", enabled=False):
-            for dtype in (torch.float32, torch.bfloat16):
-                a = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
-                out = torch.nn.functional.linear(a, a, a[0]) + a @ a
-                torch.autograd.grad(out.sum(), a)
-            if cudnn and torch.backends.cudnn.is_available():
-                x = torch.ones(1, 1, 8, device=device, requires_grad=True)
-                out = torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
-                torch.autograd.grad(out.sum(), x)
-        torch.cuda.current_stream(device).wait_stream(stream)
+    with torch.cuda.device(device), torch.enable_grad(), CUDA.eager_stream(device), \
+            torch.autocast("cuda", enabled=False):
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+            out = torch.nn.functional.linear(a, a, a[0]) + a @ a
+            torch.autograd.grad(out.sum(), a)
+        if cudnn and torch.backends.cudnn.is_available():
+            x = torch.ones(1, 1, 8, device=device, requires_grad=True)
+            out = torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
+            torch.autograd.grad(out.sum(), x)
     _prepared.add((device, cudnn))
 
 
