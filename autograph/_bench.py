@@ -333,14 +333,16 @@ def with_ratio(rows: List[Dict[str, Any]], value: Optional[float],
         rows[-1]["ratio"] = ratio
         rows[-1]["ratio_to"] = label
         if hasattr(rows, "note"):
-            rows.note(f"{ratio:.3f}x {label}")  # type: ignore[attr-defined]
+            rows.note(f"{ratio:.3f}x {label}", sep="; ")  # type: ignore[attr-defined]
         else:
-            rows[-1]["note"] = (rows[-1].get("note", "") + f" {ratio:.3f}x {label}").strip()
+            old = rows[-1].get("note", "")
+            rows[-1]["note"] = f"{old}; {ratio:.3f}x {label}" if old else f"{ratio:.3f}x {label}"
 
 
 def format_rows(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
     """A Markdown table of ``rows`` (dicts) in ``columns`` order."""
-    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    # An unescaped "|" in a note ("max |error|") would split its cell in two.
+    cells = [[str(r.get(c, "")).replace("|", "\\|") for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
 
     def line(values: Sequence[str]) -> str:

@@ -27,7 +27,8 @@ invocations (one per 10-minute device call) merge. With ``--results-dir DIR``, R
 results.png are written in DIR instead. ``--out DIR`` also copies the JSON files,
 RESULTS.md and the chart into DIR as they are written (a device run's $OUT). The chart needs
 matplotlib (a benchmark-only dependency, imported when drawing); without it the chart is
-skipped with a note.
+skipped with a note. ``notes.md`` next to the JSON files, when there, is written under the
+run's date line: where the runs were made (commits, device calls) and what moves between them.
 """
 from __future__ import annotations
 
@@ -176,7 +177,7 @@ def describe_env(env):
     return text
 
 
-def render_markdown(results, chart_note):
+def render_markdown(results, chart_note, notes=""):
     envs = {}
     for result in results:
         envs.setdefault(describe_env(result.get("env", {})), []).append(result)
@@ -199,6 +200,7 @@ def render_markdown(results, chart_note):
         "GPU synchronised around each run; variants compared by a ratio are timed side by side "
         "in one process. Each case runs in a fresh process, torch.compile last within it.\n\n"
         + header + "\n\n"
+        + (notes.strip() + "\n\n" if notes.strip() else "")
         + (f"Wall time per case: {times}.\n\n" if times else "")
         + chart_note + "\n\n" + table + "\n")
 
@@ -296,8 +298,10 @@ def render_chart(results, path):
 def render(results_dir, markdown_path, chart_path, out=None):
     results = load_results(results_dir)
     chart_note = render_chart(results, chart_path)
+    notes_path = os.path.join(results_dir, "notes.md")
+    notes = open(notes_path).read() if os.path.exists(notes_path) else ""
     with open(markdown_path, "w") as fh:
-        fh.write(render_markdown(results, chart_note))
+        fh.write(render_markdown(results, chart_note, notes))
     print(f"wrote {markdown_path} ({sum(len(r['rows']) for r in results)} rows from "
           f"{len(results)} case(s)); {chart_note}", file=sys.stderr)
     if out:
