@@ -54,7 +54,7 @@ if ROOT not in sys.path:
     sys.path.insert(1, ROOT)  # autograph from this checkout
 
 from autograph._bench import SMOKE, Rows, add_row, failure, figure, format_rows, infer_kind, \
-    progress, timed, with_ratio  # noqa: E402  (timed, with_ratio: for case modules)
+    progress  # noqa: E402
 
 RESULTS_DIR = os.path.join(HERE, "results")
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
