@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, List, Optional, Set, Union
 import torch
 
 from ._config import logger
+from ._streams import on_stream
 
 
 @dataclasses.dataclass
@@ -162,17 +163,15 @@ class CudaGraphs:
         if not torch.is_grad_enabled():
             yield
             return
-        caller = torch.cuda.current_stream(device)
         stream = _capture_stream(device)
-        stream.wait_stream(caller)
-        current = torch.cuda.current_device()
-        try:
-            # torch.cuda.stream() also makes the stream's device current: the call must see
-            # the current device it was made with (a graph on cuda:1 called from cuda:0).
-            with torch.cuda.stream(stream), torch.cuda.device(current):
+        # The call sees the current device it was made with (a graph on cuda:1 called from
+        # cuda:0): on_stream keeps it.
+        with on_stream(stream) as caller:
+            stream.wait_stream(caller)
+            try:
                 yield
-        finally:
-            caller.wait_stream(stream)
+            finally:
+                caller.wait_stream(stream)
 
     def autograd_stream(self, device: int) -> "torch.cuda.Stream":
         """The stream that training graphs' autograd nodes belong to: the capture stream, on

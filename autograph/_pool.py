@@ -20,6 +20,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ._streams import current_stream
+
 
 class Pool:
     """The memory pool of one owner on one device."""
@@ -63,7 +65,7 @@ class Pool:
     def _order_after_last_stream(self) -> None:
         raw = torch._C._cuda_getCurrentRawStream(self.device)
         if raw != self.last_raw_stream:
-            current = torch.cuda.current_stream(self.device)
+            current = current_stream(self.device)
             if self.last_stream is not None:
                 current.wait_stream(self.last_stream)
             self.last_stream, self.last_raw_stream = current, raw

@@ -47,6 +47,7 @@ from ._graph import CaptureFailed, Graph, Refusal, capture_failure
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._plan import InputPlan, OutputPlan, copy_all
 from ._reads import CallWatch, GradSlots, Survey, tensors_in
+from ._streams import on_stream
 
 Tensor = torch.Tensor
 
@@ -235,7 +236,7 @@ class _Replay(torch.autograd.Function):
         if caller is None:
             outputs = graph.replay_forward(tensors, copy_in)
         else:  # the replay runs in the caller's stream order; only the node is on the other
-            with torch.cuda.stream(caller):
+            with on_stream(caller):
                 outputs = graph.replay_forward(tensors, copy_in)
         ctx.mark_non_differentiable(*(o for o, need in zip(outputs, graph.backward.needs)
                                       if not need))
@@ -428,8 +429,7 @@ class TrainingGraph(Graph):
         if stream is None:
             owned = _Replay.apply(self, tensors, copy_in, None, *differentiable)
         else:
-            caller = torch.cuda.current_stream(self.pool.device)
-            with torch.cuda.stream(stream):
+            with on_stream(stream) as caller:
                 owned = _Replay.apply(self, tensors, copy_in, caller, *differentiable)
         return self.outputs.assemble(owned, tensors)
 

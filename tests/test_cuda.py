@@ -138,6 +138,22 @@ def test_replay_on_another_stream_is_ordered():
     assert states(f) == [("graphed", 6, 1, 5)]   # replays alternate between the two streams
 
 
+def test_on_stream_switches_the_stream_and_gives_the_caller_back_after_an_error():
+    from autograph._streams import current_stream, on_stream
+
+    side, caller = torch.cuda.Stream(), torch.cuda.current_stream()
+    device = torch.cuda.current_device()
+    with pytest.raises(KeyError):
+        with on_stream(side) as before:
+            assert before == caller and torch.cuda.current_stream() == side
+            with on_stream(before) as inner:
+                assert inner == side and torch.cuda.current_stream() == caller
+            assert current_stream(device) == side == torch.cuda.current_stream()
+            raise KeyError
+    assert torch.cuda.current_stream() == caller and torch.cuda.current_device() == device
+    assert current_stream(device) is current_stream(device)  # one object per stream
+
+
 def test_reset_gives_the_memory_back():
     torch.cuda.empty_cache()
     base = torch.cuda.memory_reserved()
