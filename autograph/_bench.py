@@ -330,17 +330,17 @@ def timed(rows: List[Dict[str, Any]], case: str, variant: str, call: Callable[[]
 
 
 def with_ratio(rows: List[Dict[str, Any]], value: Optional[float],
-               reference: Optional[float], label: str = "hand-written") -> None:
-    """Note on the last row ``value / reference`` as ``1.004x hand-written``."""
+               reference: Optional[float], label: str = "hand-written",
+               row: Optional[Dict[str, Any]] = None) -> None:
+    """Note on ``row`` (default: the last) ``value / reference`` as ``1.004x hand-written``."""
     if value and reference:
         ratio = value / reference
-        rows[-1]["ratio"] = ratio
-        rows[-1]["ratio_to"] = label
-        if hasattr(rows, "note"):
-            rows.note(f"{ratio:.3f}x {label}", sep="; ")  # type: ignore[attr-defined]
-        else:
-            old = rows[-1].get("note", "")
-            rows[-1]["note"] = f"{old}; {ratio:.3f}x {label}" if old else f"{ratio:.3f}x {label}"
+        target = rows[-1] if row is None else row
+        target["ratio"], target["ratio_to"] = ratio, label
+        old = target.get("note", "").rstrip().rstrip(";")
+        target["note"] = f"{old}; {ratio:.3f}x {label}" if old else f"{ratio:.3f}x {label}"
+        if hasattr(rows, "save"):
+            rows.save()  # type: ignore[attr-defined]
 
 
 def format_rows(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:

@@ -106,11 +106,17 @@ def variants(model: torch.nn.Module, loss_of: Callable, batch: tuple,
     return found
 
 
+# Each autograph variant against the reference that graphs the same thing.
+RATIOS = {"autograph.graphed(module) + eager optimizer":
+          "make_graphed_callables(module) + eager optimizer",
+          "autograph.graphed(whole step)": "hand-written whole step"}
+
+
 def run_model(rows: List[Dict[str, Any]], name: str, model: torch.nn.Module,
               loss_of: Callable, batch: tuple,
               graphable: Optional[Callable[[torch.nn.Module], torch.nn.Module]],
               with_compile: bool, timer: Optional[Callable] = None) -> None:
-    hand_us = None
+    measured: Dict[str, Tuple[float, Dict[str, Any]]] = {}
     for variant, (make, steps, what) in variants(model, loss_of, batch, graphable,
                                                  with_compile).items():
         progress(f"{name}: {variant}")
@@ -121,11 +127,13 @@ def run_model(rows: List[Dict[str, Any]], name: str, model: torch.nn.Module,
                     note=f"{type(error).__name__}: {str(error).splitlines()[0][:100]}")
             continue
         us = timed(rows, name, variant, step, timer=timer,
-                   note=f"us per step; {what} {seconds:.2f} s;")
-        if variant == "hand-written whole step":
-            hand_us = us
-        elif "autograph" in variant:
-            with_ratio(rows, us, hand_us)
+                   note=f"us per step; {what} {seconds:.2f} s")
+        if us is not None:
+            measured[variant] = (us, rows[-1])
+    for variant, reference in RATIOS.items():
+        if variant in measured and reference in measured:
+            with_ratio(rows, measured[variant][0], measured[reference][0], reference,
+                       row=measured[variant][1])
 
 
 def mlp_loss(model: Callable, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
