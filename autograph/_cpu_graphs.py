@@ -32,10 +32,10 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Set, Tup
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ._capture import Capture
+from ._modes import CompiledCodeRunsUnder
 from ._ranks import COLLECTIVE_NAMESPACES
 from ._reads import written_tensors
 
@@ -179,13 +179,8 @@ class _RecordedOp:
                 destination.copy_(flat_output[index])
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(CompiledCodeRunsUnder):
     """Records the ops that write memory or make new tensors, and what to undo after."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # As the guard's mode: torch.compile'd code compiles and runs while recording.
-        return True
 
     def __init__(self) -> None:
         super().__init__()

@@ -45,8 +45,8 @@ from types import FrameType, TracebackType
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._modes import CompiledCodeRunsUnder
 from ._reads import tensors_in
 
 _aten = torch.ops.aten
@@ -380,20 +380,13 @@ def _remove_patches() -> None:
         _originals.clear()
 
 
-class UnsafeOpDetector(TorchDispatchMode):
+class UnsafeOpDetector(CompiledCodeRunsUnder):
     """Record (or stop at) the first unsafe operation made by the current thread.
 
     ``device_type`` is the device whose work is being graphed ("cuda"; the CPU emulation used
     by the test suite passes "cpu"). With ``raise_on_unsafe`` the first finding raises
     ``GuardError``; otherwise calls proceed unchanged and the first finding is kept.
     """
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # torch >= 2.9: without it Dynamo skips every frame run under the guard (torch <=
-        # 2.13: for good, so a compiled function stayed uncompiled even when called directly
-        # later); with it Dynamo compiles with the mode off and runs compiled code under it.
-        return True
 
     def __init__(self, device_type: str, raise_on_unsafe: bool):
         super().__init__()

@@ -5,7 +5,7 @@ of their process groups, or on none.
 >>> with watch:                              # the last warmup call
 ...     step(x)                              # runs dist.all_reduce(...)
 >>> agreed_failure(watch.groups, None)       # after the capture, on every rank
-'rank 1 of its process group could not graph it, and every rank must decide alike ...'
+'rank 1 could not graph it, and every rank of its process group must decide alike ...'
 
 A capture records collectives without running them, and a replay or an eager call runs each
 once, so a key graphed on one rank and eager on another still matches collectives call for
@@ -31,9 +31,9 @@ import threading
 from typing import Any, Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._config import logger
+from ._modes import CompiledCodeRunsUnder
 
 # Namespaces of the ops that torch.distributed's collectives reach the dispatcher as: the
 # process-group API (dist.all_reduce) and the functional collectives (tensor parallelism).
@@ -70,12 +70,8 @@ def _group_of(func: Any, args: tuple, kwargs: dict) -> Any:
     return None
 
 
-class CollectiveWatch(TorchDispatchMode):
+class CollectiveWatch(CompiledCodeRunsUnder):
     """The process groups a call's collectives ran on, in the order of their first use."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
     def __init__(self) -> None:
         super().__init__()

@@ -24,9 +24,9 @@ import weakref
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._keys import describe_tensor
+from ._modes import CompiledCodeRunsUnder
 
 Tensor = torch.Tensor
 
@@ -73,15 +73,9 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[Tensor]:
     return list(tensors_in(values[name] for name in names))
 
 
-class CallWatch(TorchDispatchMode):
+class CallWatch(CompiledCodeRunsUnder):
     """Record, for one run of a function, the storages it wrote and the tensors it read that
     it neither received (``statics``) nor created."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # torch >= 2.9: without it Dynamo skips every frame run under this mode (torch <=
-        # 2.13: for good); with it, compiled code compiles and runs under the mode.
-        return True
 
     def __init__(self, statics: Sequence[Tensor] = ()):
         super().__init__()

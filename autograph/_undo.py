@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._modes import CompiledCodeRunsUnder
 from ._reads import tensors_in, written_tensors
 
 Tensor = torch.Tensor
@@ -30,14 +30,8 @@ def _generator_states() -> List[Tuple[Any, Any]]:
     return [(g, g.get_state()) for g in generators]
 
 
-class UndoWrites(TorchDispatchMode):
+class UndoWrites(CompiledCodeRunsUnder):
     """Save what a call overwrites, so that ``restore()`` can put it back."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # torch >= 2.9: without it Dynamo skips every frame run under this mode (torch <=
-        # 2.13: for good); with it, compiled code compiles and runs under the mode.
-        return True
 
     def __init__(self) -> None:
         super().__init__()
