@@ -16,14 +16,19 @@ from autograph._bench import compile_for_bench, device, hand_written, mlp, progr
 NAME = "(a) MLP 32x512 bf16, batch 1"
 
 
+def first_calls(fn, example, calls=3):
+    """The seconds ``fn``'s first ``calls`` calls take (compilation, warmup and capture)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*example)
+    sync()
+    return time.perf_counter() - start
+
+
 def compiled(fn, example, calls=3):
     """torch.compile(mode="reduce-overhead") and the time of its first ``calls`` calls."""
     compiled_fn = compile_for_bench(fn, mode="reduce-overhead")
-    start = time.perf_counter()
-    for _ in range(calls):
-        compiled_fn(*example)
-    sync()
-    return compiled_fn, time.perf_counter() - start
+    return compiled_fn, first_calls(compiled_fn, example, calls)
 
 
 def case_mlp(rows, with_compile):
@@ -60,11 +65,7 @@ def case_mlp(rows, with_compile):
                     autograph.graphed(compile_for_bench(lambda x: inner(x))),
             }
             for variant, graphed in variants.items():
-                start = time.perf_counter()
-                for _ in range(3):
-                    graphed(x)
-                sync()
-                seconds = time.perf_counter() - start
+                seconds = first_calls(graphed, (x,))
                 error = (graphed(x).float() - model(x).float()).abs().max().item()
                 us = timed(rows, NAME, variant, lambda: graphed(x), kind="autograph",
                            note=f"first 3 calls {seconds:.1f} s; max |error| vs eager "
