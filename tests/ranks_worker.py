@@ -19,8 +19,10 @@ import autograph
 from autograph.testing import emulate_graphs_on_cpu
 
 
-def states(fn):
-    return [(s.state, s.calls, s.eager_calls, s.replays, s.fallback_reason) for s in fn.stats()]
+def states(graphed):
+    """Each key's (state, calls, eager calls, replays, fallback reason)."""
+    return [(s.state, s.calls, s.eager_calls, s.replays, s.fallback_reason)
+            for s in autograph.stats(graphed)]
 
 
 def scenarios(rank, device):
@@ -122,9 +124,7 @@ def ddp_training(rank, device, graph):
         optimizer.step()
         losses.append(loss.item())
     parameters = [p.detach().cpu().tolist() for p in ddp.parameters()]
-    rows = [(s.state, s.calls, s.eager_calls, s.replays, s.fallback_reason)
-            for s in autograph.stats(model)] if graph else None
-    return losses, parameters, rows
+    return losses, parameters, states(model) if graph else None
 
 
 def run(rank, backend, world, port, out):

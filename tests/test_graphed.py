@@ -639,7 +639,6 @@ def test_calls_that_cannot_be_graphed_whatever_their_key_run_eagerly_in_silence(
                 for r in rows] == [(False, "eager", 1, 1, "CUDA is not available"),
                                    (True, "eager", 3, 3, "CUDA is not available")]
 
-
     @autograph.graphed
     def scale(x, cfg):
         return x * len(cfg)
