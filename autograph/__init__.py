@@ -9,10 +9,11 @@
 
 Each call is keyed on its inputs and execution state; a key is warmed up eagerly, captured
 once into a CUDA graph, then replayed. What cannot be graphed runs eagerly, with a warning that
-says why and where. See the README and SPEC.md for the contract.
+says why and where. See the README, and docs/design.md for how it is built.
 """
-from . import testing
-from ._capture import capture_stream
+from typing import Any
+
+from ._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
 from ._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
 from ._region import Region, RegionStats, region
@@ -40,3 +41,13 @@ __all__ = [
     "stats",
     "testing",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``autograph.testing`` (the CPU emulation) is imported on first use: an ordinary graphed
+    # program never loads it.
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module 'autograph' has no attribute {name!r}")

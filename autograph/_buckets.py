@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._keys import flatten_arguments
+from ._keys import call_key, flatten_arguments
 
 Tensor = torch.Tensor
 
@@ -108,39 +108,22 @@ def _tensor_owners(names: Sequence[str], args: tuple, kwargs: dict) -> List[str]
     return owners
 
 
-def padded_key(key: Any, padding: Padding) -> Any:
-    """The key of the bucket's graph: ``key`` with each padded tensor at the bucket's size."""
-    counter = [0]
+def bucket_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str],
+               static_names: Sequence[str], static_nums: Sequence[int],
+               padding: Padding) -> Any:
+    """The key of the bucket's graph: the call keyed with each padded tensor at the shape of
+    its static, and the padding's choice of tensors.
 
-    def walk(node: Any) -> Any:
-        if type(node) is tuple:
-            if len(node) == 5 and type(node[0]) is torch.Size:  # a tensor's meta
-                index = counter[0]
-                counter[0] += 1
-                spec = padding.dims[index] if index < len(padding.dims) else None
-                if spec is None:
-                    return node
-                shape = list(node[0])
-                shape[spec[0]] = padding.bucket
-                size = torch.Size(shape)
-                return (size, _contiguous_strides(size), *node[2:])
-            if len(node) == 3 and node[0] == "address":
-                counter[0] += 1
-                return node
-            return tuple(walk(child) for child in node)
-        return node
+    >>> bucket_key((ids,), {}, state, ["ids"], (), (), padding)     # 3 rows, bucket 4
+    ((1, (torch.Size([4, 16]), (16, 1), torch.int64, ...), state), ((0, 0),))
 
-    # The padded tensors are part of the key: with the default rule a tensor whose dim 0
-    # happens to equal the call's size is padded too, and a graph serves one such choice.
-    return ("bucket", padding.bucket, padding.dims, walk(key))
-
-
-def _contiguous_strides(size: torch.Size) -> Tuple[int, ...]:
-    strides, running = [], 1
-    for n in reversed(size):
-        strides.append(running)
-        running *= max(n, 1)
-    return tuple(reversed(strides))
+    The padded tensors are part of the key: with the default rule a tensor whose dim 0
+    happens to equal the call's size is padded too, and a graph serves one such choice.
+    """
+    resize = {i: (spec[0], padding.bucket) for i, spec in enumerate(padding.dims)
+              if spec is not None}
+    keyed = call_key(args, kwargs, state, names, static_names, static_nums, resize)
+    return keyed.key, padding.dims
 
 
 def resized_examples(tensors: Sequence[Tensor], padding: Padding, size: int

@@ -34,7 +34,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ._capture import Capture
+from . import _devices
+from ._backend import Capture
 from ._modes import CompiledCodeRunsUnder
 from ._ranks import COLLECTIVE_NAMESPACES
 from ._reads import written_tensors
@@ -319,7 +320,7 @@ def _counting_inductor_runs(runs: List[int]) -> Iterator[None]:
 
 
 class CpuGraphs:
-    """The emulated backend: the interface of ``_capture.CudaGraphs``, on CPU tensors.
+    """The emulated backend: the interface of ``_backend.Backend``, on CPU tensors.
 
     >>> capture = CPU.capture(run, device=-1, pool=CPU.new_pool(-1))
     >>> capture.graph.replay()
@@ -332,6 +333,13 @@ class CpuGraphs:
 
     def reserved_bytes(self, device: int) -> int:
         return 0
+
+    @staticmethod
+    def is_capturing() -> bool:
+        return _recording.active
+
+    def prepare_backward(self, device: int, cudnn: bool) -> None:
+        """No library handles to make on the CPU."""
 
     def eager_stream(self, device: int) -> ContextManager[None]:
         """No streams on the CPU: an eager call runs where it is."""
@@ -404,16 +412,13 @@ def is_recording() -> bool:
     return _recording.active
 
 
-_emulating = False
-
-
 def is_emulating() -> bool:
     """Whether CPU calls are graphed with the emulation (inside ``emulate_graphs_on_cpu()``).
 
     >>> with emulate_graphs_on_cpu():
     ...     assert is_emulating()
     """
-    return _emulating
+    return _devices.emulation() is CPU
 
 
 @contextlib.contextmanager
@@ -424,12 +429,11 @@ def emulate_graphs_on_cpu() -> Iterator[None]:
     ...     step(torch.ones(4))     # warmup, capture and replays, as on CUDA
 
     Blocks nest, and the setting comes back on an exception too. Also usable as a decorator.
-    The setting is process-wide, so that graphed calls in other threads are emulated too.
+    The setting is process-wide, so that graphed calls in other threads are emulated too: it
+    registers this backend as the one of CPU tensors (``_devices.use_emulation``).
     """
-    global _emulating
-    before = _emulating
-    _emulating = True
+    before = _devices.use_emulation(CPU)
     try:
         yield
     finally:
-        _emulating = before
+        _devices.use_emulation(before)

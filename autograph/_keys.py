@@ -1,6 +1,6 @@
 """The key of a call: what must match for a captured graph to be replayed (SPEC 2.1).
 
->>> key, tensors, identities = call_key((x, w), {}, execution_state(None))
+>>> key, tensors, identities, addressed = call_key((x, w), {}, execution_state(None))
 >>> describe_call(("x", "w"), (x, w), {}, execution_state(None))
 'x: f32[8, 512] cuda:0, w: f32[512, 512] cuda:0'
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as _pytree
@@ -60,39 +60,119 @@ def execution_state(training: Any) -> tuple:
 
 
 def tensor_meta(t: Tensor) -> tuple:
+    """What must match for a graph to take ``t`` through a static copy. Part of a key, never
+    read back: keys are compared, not decoded."""
     try:
         return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     except RuntimeError:  # sparse and nested tensors have no strides: they run eagerly
         return (t.layout, t.dtype, t.device, t.requires_grad, t.dim())
 
 
+def _contiguous_strides(size: Sequence[int]) -> Tuple[int, ...]:
+    strides, running = [], 1
+    for n in reversed(size):
+        strides.append(running)
+        running *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def resized_meta(t: Tensor, dim: int, size: int) -> tuple:
+    """The meta of ``t``'s static copy padded to ``size`` along ``dim`` (a new, contiguous
+    tensor of the bucket's size)."""
+    shape = list(t.shape)
+    shape[dim] = size
+    return (torch.Size(shape), _contiguous_strides(shape), t.dtype, t.device, t.requires_grad)
+
+
+# ---- the typed parts of a key: each kind of leaf and node its own class ----
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """A container: its type, its context (dict keys, field names) and its children's parts."""
+
+    kind: type
+    context: Any
+    children: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """A hashable leaf, by type and value (``1`` and ``True`` differ)."""
+
+    kind: type
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatBits:
+    """A float by its bits: ``0.0`` and ``-0.0`` differ, and NaN has one spelling (NaN != NaN
+    as a dict key)."""
+
+    kind: type
+    bits: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """An object without a value hash (a KV-cache object), by identity; held weakly."""
+
+    kind: type
+    object_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AtAddress:
+    """A tensor used by address (``static_argnames``): a new address is a new key."""
+
+    address: int
+    meta: tuple
+
+
+class KeyedCall(NamedTuple):
+    """One call's key and what keying it found."""
+
+    key: Any
+    tensors: List[Tensor]
+    identities: list  # objects keyed by identity
+    addressed: List[int]  # indices of the tensors used by address
+
+
+Resize = Optional[Dict[int, Tuple[int, int]]]  # tensor index -> (dim, size) of its static
+
+
 def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
-             static_names: Sequence[str] = (), static_nums: Sequence[int] = ()
-             ) -> Tuple[tuple, List[Tensor], list, List[int]]:
+             static_names: Sequence[str] = (), static_nums: Sequence[int] = (),
+             resize: Resize = None) -> KeyedCall:
     """The key of one call, its tensors in order, the objects it keys by identity, and the
     indices of the tensors used by address (``static_argnames`` / ``static_argnums``).
 
+    >>> call_key((x, w), {}, execution_state(None)).key
+    (2, (torch.Size([8, 512]), (512, 1), torch.float32, device(type='cuda', index=0), False),
+     (...), (True, False, (False, False), 0, None))
+
     ``names`` are the function's parameter names: they name an argument in errors and find
-    ``static_names``. A tensor used by address enters the key with its address.
+    ``static_names``. ``resize`` gives some tensors (by index) the shape of the static they are
+    padded into, for the key of a bucket's graph.
     """
     if not kwargs and not static_names and not static_nums:
         for a in args:
             if type(a) is not Tensor:
                 break
         else:
-            return (len(args), *map(tensor_meta, args), state), list(args), [], []
-    tensors: List[Tensor] = []
-    identities: list = []
-    addressed: List[int] = []
+            if resize is None:
+                return KeyedCall((len(args), *map(tensor_meta, args), state), list(args), [], [])
+            metas = [tensor_meta(t) if i not in resize else resized_meta(t, *resize[i])
+                     for i, t in enumerate(args)]
+            return KeyedCall((len(args), *metas, state), list(args), [], [])
+    keying = _Keying(resize)
     parts = []
     for i, a in enumerate(args):
         name = names[i] if i < len(names) else f"args[{i}]"
         by_address = i in static_nums or name in static_names
-        parts.append(_flatten(a, tensors, identities, name, addressed if by_address else None))
-    keywords = tuple((k, _flatten(v, tensors, identities, k,
-                                  addressed if k in static_names else None))
-                     for k, v in kwargs.items())
-    return ((tuple(parts), keywords), state), tensors, identities, addressed
+        parts.append(keying.part(a, name, by_address))
+    keywords = tuple((k, keying.part(v, k, k in static_names)) for k, v in kwargs.items())
+    return KeyedCall(((tuple(parts), keywords), state), keying.tensors, keying.identities,
+                     keying.addressed)
 
 
 def unsupported_tensor(tensors: Sequence[Tensor]) -> Optional[str]:
@@ -150,38 +230,47 @@ def _child_path(path: str, kind: Any, context: Any, index: int) -> str:
 
 def _leaf_key(obj: Any) -> Any:
     if type(obj) is float:
-        # hex() tells 0.0 from -0.0 and gives NaN one spelling (NaN != NaN as a dict key).
-        return ("float", obj.hex())
-    return ("const", type(obj), obj)
+        return FloatBits(float, obj.hex())
+    return Value(type(obj), obj)
 
 
-def _flatten(obj: Any, tensors: List[Tensor], identities: list, path: str,
-             addressed: Optional[List[int]] = None) -> Any:
-    if isinstance(obj, Tensor):
-        tensors.append(obj)
-        if addressed is not None:
-            addressed.append(len(tensors) - 1)
-            return ("address", obj.data_ptr(), tensor_meta(obj))
-        return tensor_meta(obj)
-    node = _children(obj)
-    if node is not None:
-        kind, children, context = node
-        return (kind, _freeze(context),
-                tuple(_flatten(c, tensors, identities, _child_path(path, kind, context, i),
-                               addressed)
-                      for i, c in enumerate(children)))
-    try:
-        hash(obj)
-    except TypeError:
-        raise TypeError(
-            f"argument {path} is an unhashable {type(obj).__name__} ({_short_repr(obj)}); "
-            f"autograph keys each call on its non-tensor arguments by value. Pass it as a "
-            f"tuple, a tensor or a hashable object, or bind it outside the graphed function."
-        ) from None
-    if type(obj).__hash__ is object.__hash__:
-        identities.append(obj)
-        return ("id", type(obj), id(obj))
-    return _leaf_key(obj)
+class _Keying:
+    """The walk of one call's arguments into key parts, collecting what the key needs."""
+
+    def __init__(self, resize: Resize):
+        self.resize = resize
+        self.tensors: List[Tensor] = []
+        self.identities: list = []
+        self.addressed: List[int] = []
+
+    def part(self, obj: Any, path: str, by_address: bool) -> Any:
+        if isinstance(obj, Tensor):
+            index = len(self.tensors)
+            self.tensors.append(obj)
+            if by_address:
+                self.addressed.append(index)
+                return AtAddress(obj.data_ptr(), tensor_meta(obj))
+            if self.resize is not None and index in self.resize:
+                return resized_meta(obj, *self.resize[index])
+            return tensor_meta(obj)
+        node = _children(obj)
+        if node is not None:
+            kind, children, context = node
+            return Node(kind, _freeze(context), tuple(
+                self.part(c, _child_path(path, kind, context, i), by_address)
+                for i, c in enumerate(children)))
+        try:
+            hash(obj)
+        except TypeError:
+            raise TypeError(
+                f"argument {path} is an unhashable {type(obj).__name__} ({_short_repr(obj)}); "
+                f"autograph keys each call on its non-tensor arguments by value. Pass it as a "
+                f"tuple, a tensor or a hashable object, or bind it outside the graphed function."
+            ) from None
+        if type(obj).__hash__ is object.__hash__:
+            self.identities.append(obj)
+            return Identity(type(obj), id(obj))
+        return _leaf_key(obj)
 
 
 # ---- outputs: flatten once at capture, rebuild on every call ----

@@ -19,7 +19,7 @@ then raises instead of showing another call's data or freed memory (SPEC 2.5).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -219,6 +219,46 @@ def _poison(storages: List[Any], message: str) -> None:
     storages.clear()
 
 
+class _Owned(NamedTuple):
+    """An output the graph made: the call gets its copy (or alias), the ``index``-th owned."""
+
+    index: int
+
+    def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        return owned[self.index]
+
+
+class _Argument(NamedTuple):
+    """An output that is the ``index``-th argument itself: the caller's tensor."""
+
+    index: int
+
+    def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        return tensors[self.index]
+
+
+class _ArgumentView(NamedTuple):
+    """An output that views an argument: the same view of the caller's tensor."""
+
+    index: int
+    size: torch.Size
+    stride: Tuple[int, ...]
+    offset: int  # from the argument's own storage offset
+
+    def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        tensor = tensors[self.index]
+        return tensor.as_strided(self.size, self.stride, tensor.storage_offset() + self.offset)
+
+
+class _Constant(NamedTuple):
+    """A non-tensor leaf, returned as it was at capture."""
+
+    leaf: Any
+
+    def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        return self.leaf
+
+
 class OutputPlan:
     """How to turn the graph's outputs into this call's return value."""
 
@@ -230,18 +270,18 @@ class OutputPlan:
         padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
                                                  if spec is not None}
         follows = _follows_the_bucket(leaves, padding, warmup_shapes)
-        self.plan: List[Tuple] = []
+        self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView or _Constant
         self.owned: List[Tensor] = []
         self.follows: List[bool] = []  # per owned output: sliced back to a call's real rows
         storages = set()
         self.shared = False
         for leaf, leaf_follows in zip(leaves, follows):
             if not isinstance(leaf, Tensor):
-                self.plan.append(("const", leaf))
+                self.plan.append(_Constant(leaf))
                 continue
             index = next((i for i, s in enumerate(statics) if leaf is s), None)
             if index is not None:
-                self.plan.append(("arg", index))
+                self.plan.append(_Argument(index))
             elif leaf.numel() and storage_ptr(leaf) in input_storages:
                 i = input_storages[storage_ptr(leaf)]
                 if i in padded:
@@ -250,14 +290,14 @@ class OutputPlan:
                         "differs from call to call; return a copy (.clone()) or name the "
                         "arguments to pad with bucket_args")
                 offset = leaf.storage_offset() - statics[i].storage_offset()
-                self.plan.append(("view", i, leaf.size(), leaf.stride(), offset))
+                self.plan.append(_ArgumentView(i, leaf.size(), leaf.stride(), offset))
             else:
-                self.plan.append(("own", len(self.owned)))
+                self.plan.append(_Owned(len(self.owned)))
                 self.shared |= leaf.numel() > 0 and storage_ptr(leaf) in storages
                 storages.add(storage_ptr(leaf))
                 self.owned.append(leaf)
                 self.follows.append(leaf_follows)
-        self.only_owned = all(p[0] == "own" for p in self.plan)
+        self.only_owned = all(type(p) is _Owned for p in self.plan)
         self.static = (policy == "static" and _CAN_POISON and bool(self.owned)
                        and self.owned[0].is_cuda)
         if policy == "static" and self.owned and not self.static:
@@ -335,17 +375,4 @@ class OutputPlan:
         """The call's return value from its owned outputs and its arguments."""
         if self.only_owned:
             return self.rebuild(owned)
-        values = []
-        for entry in self.plan:
-            kind = entry[0]
-            if kind == "own":
-                values.append(owned[entry[1]])
-            elif kind == "arg":
-                values.append(tensors[entry[1]])
-            elif kind == "view":
-                _, i, size, stride, offset = entry
-                values.append(tensors[i].as_strided(size, stride,
-                                                    tensors[i].storage_offset() + offset))
-            else:
-                values.append(entry[1])
-        return self.rebuild(values)
+        return self.rebuild([entry.value(owned, tensors) for entry in self.plan])

@@ -1,4 +1,4 @@
-"""``with autograph.region():`` graphs the top-level module calls inside it (SPEC 1).
+"""``with autograph.region():`` graphs the top-level module calls inside it.
 
 >>> with autograph.region():
 ...     logits = model(ids)          # graphed as autograph.graphed(model) would graph it
@@ -48,21 +48,22 @@ class Region:
         self.options_key = Options(**explicit)  # validated now, not at the first call
         self.pools = Pools()
         self.captures = self.replays = self.eager_calls = 0
+        # The keys its calls touched, held weakly: a region keeps no graph alive.
         self._touched: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-        self._names: Dict[int, str] = {}
         self._lock = threading.Lock()
 
-    def note(self, function: str, entry: Any, event: str) -> None:
+    def note(self, life: Any, event: str) -> None:
+        """A key's life tells the region of each event of a call made in it: ``captures``,
+        ``replays`` or ``eager_calls``."""
         with self._lock:
             setattr(self, event, getattr(self, event) + 1)
-            if id(entry) not in self._touched:
-                self._touched[id(entry)] = entry
-                self._names[id(entry)] = function
+            if id(life) not in self._touched:
+                self._touched[id(life)] = life
 
     def stats(self) -> RegionStats:
         """Counts of this region's captures, replays and eager calls, and its keys' stats."""
         with self._lock:
-            keys = [entry.stats(self._names[i]) for i, entry in list(self._touched.items())]
+            keys = [life.stats() for life in list(self._touched.values())]
             return RegionStats(self.captures, self.replays, self.eager_calls, keys)
 
     def __enter__(self) -> "Region":

@@ -1,13 +1,13 @@
 """Graphed forward and backward for calls whose outputs need gradients (SPEC 9).
 
->>> graph = TrainingGraph.record(model_forward, (x,), {}, [x], CUDA, 0, pool, "copy",
-...                              "Net(x: f32[32, 512] cuda:0)", roots)
+>>> graph = TrainingGraph.record(request)        # a _recording.CaptureRequest
 >>> out = graph.replay([x], copy_in=False)       # an autograd.Function's output
 >>> out.sum().backward()                         # replays the backward graph
 
 Per key, two graphs in the key's pool, tied by the ``autograd.Function`` ``_Replay``:
 - the forward, captured on static inputs (those of arguments that require grad are leaves
-  that require grad) with autograd recording, as ``Graph.record`` captures;
+  that require grad) with autograd recording, by the one capture sequence
+  (``_recording.record``) that every graph goes through;
 - the backward: ``torch.autograd.grad`` of the forward's outputs that need grad, with
   respect to those static inputs and to the leaves the forward read that require grad (a
   module's parameters, closed-over weights), from static output gradients, captured under
@@ -35,25 +35,23 @@ from __future__ import annotations
 import dataclasses
 import sys
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._capture import CUDA, Capture
+from ._backend import Capture
 from ._config import logger
-from ._graph import CaptureFailed, Graph, Refusal, capture_failure
+from ._graph import Graph
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
-from ._plan import InputPlan, OutputPlan, copy_all
-from ._reads import CallWatch, GradSlots, Survey, tensors_in
+from ._plan import InputPlan, copy_all
+from ._reads import Survey, tensors_in
+from ._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
+from ._recording import refused as _refused
 from ._streams import on_stream
 
 Tensor = torch.Tensor
-
-
-def _refused(reason: str) -> CaptureFailed:
-    return CaptureFailed(Refusal("", reason))
 
 
 _WRITES_TRAINED = ("it writes in place to an argument that requires grad, which a graphed "
@@ -81,7 +79,11 @@ def _user_saved_tensor_hooks() -> bool:
 class _ForwardWatch(TorchDispatchMode):
     """What a forward's ops read that its backward depends on: the leaves that require grad
     (gradients go to them), the parameters that do not (turning one on later changes what
-    the backward must compute), and whether saved-tensor hooks were active inside it."""
+    the backward must compute), and whether saved-tensor hooks were active inside it.
+
+    Deliberately not a ``CompiledCodeRunsUnder``: under it, torch.compile would run fused
+    kernels this mode cannot see, and a parameter read only inside one would get no gradient;
+    with this mode active Dynamo runs the forward's frames eagerly, so every op is seen."""
 
     def __init__(self, statics: Sequence[Tensor]):
         super().__init__()
@@ -103,34 +105,6 @@ class _ForwardWatch(TorchDispatchMode):
         if not self.hooked:
             self.hooked = _user_saved_tensor_hooks()
         return func(*args, **kwargs)
-
-
-_prepared: Set[Tuple[int, bool]] = set()
-
-
-def _prepare_backward_thread(device: int, cudnn: bool) -> None:
-    """Create the cuBLAS (and cuDNN) handles and workspaces that autograd's thread for this
-    device uses on the capture stream, by running a small backward there.
-
-    >>> _prepare_backward_thread(0, cudnn=False)     # once per device, before its capture
-
-    On CUDA, backward runs in autograd's own thread, on the stream its forward ran on (the
-    capture stream); handles are per thread and creating one inside a capture fails, as
-    ``_capture._create_library_handles`` explains for the calling thread.
-    """
-    if (device, cudnn) in _prepared:
-        return
-    with torch.cuda.device(device), torch.enable_grad(), CUDA.eager_stream(device), \
-            torch.autocast("cuda", enabled=False):
-        for dtype in (torch.float32, torch.bfloat16):
-            a = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
-            out = torch.nn.functional.linear(a, a, a[0]) + a @ a
-            torch.autograd.grad(out.sum(), a)
-        if cudnn and torch.backends.cudnn.is_available():
-            x = torch.ones(1, 1, 8, device=device, requires_grad=True)
-            out = torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
-            torch.autograd.grad(out.sum(), x)
-    _prepared.add((device, cudnn))
 
 
 class _PackedGradients:
@@ -256,131 +230,120 @@ class _Replay(torch.autograd.Function):
                 *graph.backward.replay(grads, ctx.needs_input_grad[4:]))
 
 
+def _refuse_before_capture(request: CaptureRequest) -> None:
+    if request.padding is not None:
+        raise _refused(
+            "its outputs need gradients, and a bucketed call does not get a graphed "
+            "backward: the padding rows would flow into reductions and parameter "
+            "gradients. Leave out buckets= for training, or call it under "
+            "torch.no_grad() for inference")
+    if _user_saved_tensor_hooks():
+        raise _refused(
+            "saved-tensor hooks are active around the call (torch.utils.checkpoint or "
+            "torch.autograd.graph.save_on_cpu wrapping it), and a graph keeps its "
+            "activations in its own memory. Checkpoint inside the module instead, or "
+            "call it outside those hooks")
+
+
+def _trained_statics(tensors: Sequence[Tensor], inputs: InputPlan) -> List[int]:
+    """The arguments that require grad; their statics become leaves that require grad."""
+    trained = [i for i, t in enumerate(tensors) if t.requires_grad]
+    for i in trained:
+        if i in inputs.addressed:
+            if not tensors[i].is_leaf:
+                raise _refused(
+                    f"argument {i} is passed by address (static_argnames) and was "
+                    f"computed with gradients, which could then not flow back through "
+                    f"it. Leave it out of static_argnames, so that it is copied in")
+        else:
+            inputs.statics[i].requires_grad_()
+    return trained
+
+
+def _refuse_backward(reads: "_ForwardWatch", recorded: Recorded) -> None:
+    if reads.hooked:
+        raise _refused(
+            "it uses saved-tensor hooks inside (torch.utils.checkpoint with "
+            "use_reentrant=False, activation offloading), whose backward runs Python "
+            "(recomputation, copies back) that a graph would capture once and replay "
+            "unfaithfully. Turn gradient checkpointing off for this module, or run it "
+            "eagerly under autograph.region(enabled=False)")
+    for t in recorded.watch.external.values():
+        if t.requires_grad and not t.is_leaf:
+            raise _refused(
+                f"it reads {recorded.survey.name(t)}, which was computed with gradients "
+                f"outside the call, so gradients could not flow back through it. Pass it as "
+                f"an argument")
+
+
 class TrainingGraph(Graph):
     """A key's forward graph and backward graph, tied by an ``autograd.Function``."""
 
-    def __init__(self, capture: Capture, inputs: InputPlan, outputs: OutputPlan, pool: Any,
-                 external: Dict[int, Tensor], survey: Survey, grads: GradSlots, label: str,
-                 backward: Optional[_Backward] = None):
-        super().__init__(capture, inputs, outputs, pool, external, survey, grads)
+    def __init__(self, recorded: Recorded, pool: Any, label: str):
+        super().__init__(recorded, pool)
         self.label = label
-        self.backward = backward
-        if backward is not None:
-            self.capture_seconds += backward.seconds
-            self.memory_bytes += backward.memory_bytes
+        self.backward: Optional[_Backward] = None  # set once the backward is recorded
         self.last_call: Optional[Callable[[], Any]] = None
         self._said_busy = False
 
     @classmethod
-    def record(cls, call: Callable, args: tuple, kwargs: dict, tensors: Sequence[Tensor],
-               backend: Any, device: int, pool: Any, policy: str, label: str,
-               roots: Sequence[Tuple[str, Any]], uses_cudnn: bool = False,
-               padding: Any = None, addressed: Sequence[int] = (),
-               warmup_shapes: Any = None) -> "TrainingGraph":
-        """Capture the forward of ``call`` on static copies of the arguments, then its
+    def record(cls, request: CaptureRequest) -> "TrainingGraph":
+        """Capture the forward of ``request.call`` on static copies of the arguments, then its
         backward; nothing runs. ``CaptureFailed`` (the caller runs the key eagerly) when the
-        guard or CUDA rejects either capture, or the call cannot have a graphed backward."""
-        if padding is not None:
-            raise _refused(
-                "its outputs need gradients, and a bucketed call does not get a graphed "
-                "backward: the padding rows would flow into reductions and parameter "
-                "gradients. Leave out buckets= for training, or call it under "
-                "torch.no_grad() for inference")
-        if _user_saved_tensor_hooks():
-            raise _refused(
-                "saved-tensor hooks are active around the call (torch.utils.checkpoint or "
-                "torch.autograd.graph.save_on_cpu wrapping it), and a graph keeps its "
-                "activations in its own memory. Checkpoint inside the module instead, or "
-                "call it outside those hooks")
+        guard or the backend rejects either capture, or the call cannot have a graphed
+        backward."""
+        _refuse_before_capture(request)
         with torch.no_grad():  # statics are leaves, not copies with the caller's history
-            inputs = InputPlan(tensors, None, addressed)
-        trained = [i for i, t in enumerate(tensors) if t.requires_grad]
-        for i in trained:
-            if i in inputs.addressed:
-                if not tensors[i].is_leaf:
-                    raise _refused(
-                        f"argument {i} is passed by address (static_argnames) and was "
-                        f"computed with gradients, which could then not flow back through "
-                        f"it. Leave it out of static_argnames, so that it is copied in")
-            else:
-                inputs.statics[i].requires_grad_()
-        static_args, static_kwargs, given = inputs.substitute(args, kwargs)
-        before = inputs.versions()
-        survey = Survey(roots)
-        detector = UnsafeOpDetector(backend.device_type, raise_on_unsafe=True)
-        watch = CallWatch(inputs.statics)
+            inputs = InputPlan(request.tensors, None, request.addressed)
+        trained = _trained_statics(request.tensors, inputs)
         reads = _ForwardWatch([inputs.statics[i] for i in trained])
-
-        def run_forward() -> Any:
-            with detector, watch, reads:
-                return call(*static_args, **static_kwargs)
-
+        recorded = record(request, inputs, watches=[reads], refuse_error=lambda error: (
+            _WRITES_TRAINED if "leaf Variable that requires grad" in str(error) else None))
         try:
-            capture = backend.capture(run_forward, device, pool.handle_for_capture(), uses_cudnn)
-            finding = capture_failure(detector, capture)
-            if finding is not None:
-                raise CaptureFailed(finding)
-            if capture.error is not None and "leaf Variable that requires grad" in str(
-                    capture.error):
-                raise _refused(_WRITES_TRAINED)
-            inputs.note_writes(before, watch.written)
-            if capture.error is not None:
-                error = capture.error
-                with torch.no_grad():
-                    capture.graph.replay()
-                    inputs.copy_back(tensors)
-                del capture  # see Graph.record
-                raise error
-            if any(i in trained for i in inputs.mutated):
-                raise _refused(_WRITES_TRAINED)
-            outputs = OutputPlan(capture.outputs, inputs.statics, policy, label, pool, given)
-            grads = GradSlots(survey, watch.written)
-            needs = [o.requires_grad for o in outputs.owned]
-            if grads or not any(needs):
-                # No backward to graph: the call ran its own (a whole step), or gradients reach
-                # its arguments only through outputs that are views of them. It replays as a
-                # Graph, copying into plain statics and handing out detached outputs.
-                for i in trained:
-                    if i not in inputs.addressed:
-                        inputs.statics[i].requires_grad_(False)
-                outputs.owned[:] = [o.detach() for o in outputs.owned]
-                return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label)
-            if reads.hooked:
-                raise _refused(
-                    "it uses saved-tensor hooks inside (torch.utils.checkpoint with "
-                    "use_reentrant=False, activation offloading), whose backward runs Python "
-                    "(recomputation, copies back) that a graph would capture once and replay "
-                    "unfaithfully. Turn gradient checkpointing off for this module, or run it "
-                    "eagerly under autograph.region(enabled=False)")
-            for t in watch.external.values():
-                if t.requires_grad and not t.is_leaf:
-                    raise _refused(
-                        f"it reads {survey.name(t)}, which was computed with gradients outside "
-                        f"the call, so gradients could not flow back through it. Pass it as an "
-                        f"argument")
-            if policy == "static":
-                logger.info("%s: its outputs need gradients, so it returns copies "
-                            "(outputs='static' applies to calls without gradients)", label)
-            leaves = list(reads.trained.values())
-            grad_outputs, backward_capture = cls._record_backward(
-                backend, device, pool, uses_cudnn, outputs.owned, needs,
-                [inputs.statics[i] for i in trained], leaves)
-            backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs, trained,
-                                 leaves, list(reads.frozen.values()), survey)
-            return cls(capture, inputs, outputs, pool, watch.external, survey, grads, label,
-                       backward)
+            return cls._with_backward(request, recorded, trained, reads)
         except CaptureFailed:
             # A backward in the capture set .grad (in Python) to the memory of this discarded
             # graph; the eager run that follows must find .grad as it was.
-            survey.restore_grads()
+            recorded.survey.restore_grads()
             raise
 
+    @classmethod
+    def _with_backward(cls, request: CaptureRequest, recorded: Recorded, trained: List[int],
+                       reads: "_ForwardWatch") -> "TrainingGraph":
+        inputs, outputs = recorded.inputs, recorded.outputs
+        if any(i in trained for i in inputs.mutated):
+            raise _refused(_WRITES_TRAINED)
+        needs = [o.requires_grad for o in outputs.owned]
+        graph = cls(recorded, request.pool, request.label)
+        if graph.grads or not any(needs):
+            # No backward to graph: the call ran its own (a whole step), or gradients reach
+            # its arguments only through outputs that are views of them. It replays as a
+            # Graph, copying into plain statics and handing out detached outputs.
+            for i in trained:
+                if i not in inputs.addressed:
+                    inputs.statics[i].requires_grad_(False)
+            outputs.owned[:] = [o.detach() for o in outputs.owned]
+            return graph
+        _refuse_backward(reads, recorded)
+        if request.policy == "static":
+            logger.info("%s: its outputs need gradients, so it returns copies "
+                        "(outputs='static' applies to calls without gradients)", request.label)
+        leaves = list(reads.trained.values())
+        grad_outputs, backward_capture = cls._record_backward(
+            request, outputs.owned, needs, [inputs.statics[i] for i in trained], leaves)
+        graph.backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs,
+                                   trained, leaves, list(reads.frozen.values()), recorded.survey)
+        graph.capture_seconds += graph.backward.seconds
+        graph.memory_bytes += graph.backward.memory_bytes
+        return graph
+
     @staticmethod
-    def _record_backward(backend: Any, device: int, pool: Any, uses_cudnn: bool,
-                         outputs: List[Tensor], needs: List[bool], statics: List[Tensor],
-                         leaves: List[Tensor]) -> Tuple[List[Tensor], Capture]:
+    def _record_backward(request: CaptureRequest, outputs: List[Tensor], needs: List[bool],
+                         statics: List[Tensor], leaves: List[Tensor]
+                         ) -> Tuple[List[Tensor], Capture]:
         """Capture the gradients of ``outputs`` with respect to ``statics`` and ``leaves``
         from static output gradients; return those and the capture."""
+        backend = request.backend
         differentiable = [o for o, need in zip(outputs, needs) if need]
         grad_outputs = [torch.empty_like(o) for o in differentiable]
         detector = UnsafeOpDetector(backend.device_type, raise_on_unsafe=True)
@@ -393,13 +356,13 @@ class TrainingGraph(Graph):
                     differentiable, statics + leaves, grad_outputs, retain_graph=True,
                     allow_unused=True), alone=len(statics))
 
-        if backend.device_type == "cuda":
-            _prepare_backward_thread(device, uses_cudnn)
+        backend.prepare_backward(request.device, request.uses_cudnn)
         # The guard around the capture, not inside it: backward kernels such as silu_backward
         # reach dispatch modes whole, and the guard runs such an op's own kernel below the
         # modes under it, so the CPU emulation's recorder must see each op before the guard.
         with detector:
-            capture = backend.capture(run_backward, device, pool.handle, uses_cudnn)
+            capture = backend.capture(run_backward, request.device, request.pool.handle,
+                                      request.uses_cudnn)
         finding = capture_failure(detector, capture)
         if finding is None and capture.error is not None:
             location, source = location_in_traceback(capture.error.__traceback__)

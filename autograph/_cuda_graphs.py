@@ -1,4 +1,5 @@
-"""Capture and replay on CUDA, and the clean-up that keeps a failed capture harmless.
+"""The CUDA backend: capture and replay with ``torch.cuda.CUDAGraph``, and the clean-up that
+keeps a failed capture harmless.
 
 >>> capture = CUDA.capture(lambda: step(*static_args), device=0, pool=CUDA.new_pool(0))
 >>> capture.graph.replay()
@@ -7,36 +8,24 @@ One capture stream per device, reused by every capture: a fresh stream per captu
 a cuBLAS workspace and allocator segments each time. ``capture_error_mode="thread_local"`` so
 other threads' allocations and kernels do not invalidate the capture; one capture at a time in
 the process. A capture that CUDA rejects (a "hard" failure) is cleaned up as
-``shared/research/pytorch.md`` section 3.4 measured on torch 2.11: restore the caller's stream,
+measured on torch 2.11 (docs/design.md, "Failed captures"): restore the caller's stream,
 end the allocator's routing and release the pool's reference (torch < 2.14 leaks both), and run
 one empty capture to reset the default generator (torch < 2.12 leaves it "capturing").
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, List, Optional, Set, Union
+from typing import Any, Callable, Iterator, List, Set, Union
 
 import torch
 
+from ._backend import Capture
 from ._config import logger
 from ._streams import on_stream
-
-
-@dataclasses.dataclass
-class Capture:
-    """What one capture attempt produced."""
-
-    graph: Any
-    outputs: Any = None
-    error: Optional[BaseException] = None  # raised by the captured function
-    hard_error: Optional[BaseException] = None  # raised by CUDA when ending the capture
-    seconds: float = 0.0
-    memory_bytes: int = 0
 
 
 _capture_lock = threading.RLock()
@@ -70,31 +59,48 @@ def capture_stream(device: Union[int, str, "torch.device", None] = None) -> "tor
     return _capture_stream(index)
 
 
-_prepared = threading.local()
+class _HandlesMade(threading.local):
+    def __init__(self) -> None:
+        self.made: Set[tuple] = set()
 
 
-def _create_library_handles(device: int, stream: "torch.cuda.Stream", cudnn: bool) -> None:
-    """Create this thread's cuBLAS and cuBLASLt (and, if asked, cuDNN) handles.
+_handles_made = _HandlesMade()
+# Backward runs in autograd's own thread for the device, one per process: made once.
+_backward_handles_made: Set[tuple] = set()
 
-    Handles are per thread; creating one inside a capture fails
-    (CUBLAS_STATUS_NOT_INITIALIZED), and the warmup may have run in another thread. A cuDNN
-    handle costs a noticeable start (a fraction of a second), so only functions whose warmup
+
+def make_library_handles(device: int, cudnn: bool, *, backward: bool = False) -> None:
+    """Create the cuBLAS and cuBLASLt (and, if asked, cuDNN) handles that a capture on
+    ``device`` needs: this thread's, or with ``backward`` those of autograd's thread.
+
+    >>> make_library_handles(0, cudnn=False)                 # before a forward capture
+    >>> make_library_handles(0, cudnn=True, backward=True)   # before a backward capture
+
+    Handles are per thread, and creating one inside a capture fails
+    (CUBLAS_STATUS_NOT_INITIALIZED): the warmup may have run in another thread, and on CUDA a
+    backward runs in autograd's thread, on the stream its forward ran on (the capture stream).
+    A cuDNN handle costs a noticeable start (a fraction of a second), so only keys whose warmup
     used cuDNN ops ask for it.
     """
-    done = getattr(_prepared, "done", None)
-    if done is None:
-        done = _prepared.done = set()
-    with torch.cuda.stream(stream), torch.no_grad():
-        if (device, "cublas") not in done:
-            for dtype in (torch.float32, torch.bfloat16):
-                a = torch.ones(8, 8, device=device, dtype=dtype)
-                torch.nn.functional.linear(a, a, a[0])
-                a @ a
-            done.add((device, "cublas"))
-        if cudnn and (device, "cudnn") not in done and torch.backends.cudnn.is_available():
-            x = torch.ones(1, 1, 8, device=device)
-            torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
-            done.add((device, "cudnn"))
+    made = _backward_handles_made if backward else _handles_made.made
+    wanted = [(device, "cublas")] + ([(device, "cudnn")] if cudnn else [])
+    if all(w in made for w in wanted):
+        return
+    with torch.cuda.device(device), on_stream(_capture_stream(device)), \
+            torch.autograd.set_grad_enabled(backward), torch.autocast("cuda", enabled=False):
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=backward)
+            out = torch.nn.functional.linear(a, a, a[0]) + a @ a
+            if backward:
+                torch.autograd.grad(out.sum(), a)
+        if cudnn and torch.backends.cudnn.is_available():
+            x = torch.ones(1, 1, 8, device=device, requires_grad=backward)
+            out = torch.nn.functional.conv1d(x, torch.ones(1, 1, 3, device=device))
+            if backward:
+                torch.autograd.grad(out.sum(), x)
+    # The handles were made on the capture stream: the caller's stream waits for them.
+    torch.cuda.current_stream(device).wait_stream(_capture_stream(device))
+    made.update(wanted)
 
 
 @contextlib.contextmanager
@@ -137,6 +143,16 @@ class CudaGraphs:
     """The real backend: ``torch.cuda.CUDAGraph`` on one capture stream per device."""
 
     device_type = "cuda"
+
+    @staticmethod
+    def is_capturing() -> bool:
+        # torch.cuda.is_current_stream_capturing() without its Python wrapper: asked on every
+        # call of a graphed function.
+        return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
+
+    @staticmethod
+    def prepare_backward(device: int, cudnn: bool) -> None:
+        make_library_handles(device, cudnn, backward=True)
 
     def new_pool(self, device: int) -> Any:
         return torch.cuda.graph_pool_handle()
@@ -186,7 +202,7 @@ class CudaGraphs:
             caller = torch.cuda.current_stream(device)
             stream = _capture_stream(device)
             stream.wait_stream(caller)
-            _create_library_handles(device, stream, uses_cudnn)
+            make_library_handles(device, uses_cudnn)
             reserved_before = self.reserved_bytes(device)
             started = time.perf_counter()
             # Autocast's weight cache would hand the graph casts made before capture, which
@@ -229,7 +245,7 @@ class CudaGraphs:
             return set()
         try:
             segments = [(s["address"], s["address"] + s["total_size"])
-                        for s in torch.cuda.memory._snapshot(device)["segments"]
+                        for s in torch.cuda.memory_snapshot()
                         if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
         except (RuntimeError, KeyError, TypeError):  # a snapshot format this code does not know
             return set()

@@ -1,0 +1,87 @@
+"""Which backend graphs a call, decided from where its tensors are.
+
+>>> choose_backend([x_on_cuda0])
+(CUDA, 0, None, False)                       # backend, device, reason not to graph, loud
+>>> choose_backend([torch.ones(3)])          # on the CPU, without the emulation
+(None, -1, 'its tensors are on the CPU; CUDA graphs replay GPU work only', False)
+
+CUDA graphs are the backend of GPU tensors. CPU tensors are graphed only while
+``autograph.testing`` has registered its emulation (``use_emulation``): the engine asks this
+module, and never imports the emulation itself (docs/design.md, "Backends").
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._backend import Backend
+from ._cuda_graphs import CUDA
+
+Tensor = torch.Tensor
+
+NO_CUDA = "CUDA is not available"
+ON_THE_CPU = "its tensors are on the CPU; CUDA graphs replay GPU work only"
+
+# The backend of CPU tensors while the emulation is on (process-wide, so that graphed calls
+# in other threads are emulated too), else None.
+_emulation: Optional[Backend] = None
+
+
+def use_emulation(backend: Optional[Backend]) -> Optional[Backend]:
+    """Make ``backend`` the one of CPU tensors (None: CPU calls run eagerly); return the one
+    before, to restore it."""
+    global _emulation
+    before, _emulation = _emulation, backend
+    return before
+
+
+def emulation() -> Optional[Backend]:
+    return _emulation
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), asked once: it costs 0.6 us, and cannot change."""
+    return torch.cuda.is_available()
+
+
+def inside_a_capture() -> bool:
+    """Inside a capture (ours, the user's own graph, or an emulated one) a call is part of the
+    enclosing graph: it runs as written."""
+    return (_emulation is not None and _emulation.is_capturing()) or CUDA.is_capturing()
+
+
+def choose_backend(tensors: List[Tensor]) -> Tuple[Optional[Backend], int, Optional[str], bool]:
+    """(backend, device index, reason not to graph, whether that reason deserves a warning)."""
+    types = {t.device.type for t in tensors}
+    if types == {"cuda"}:
+        indices = {t.device.index for t in tensors}
+        if len(indices) == 1:
+            return CUDA, indices.pop(), None, False
+        return None, -1, f"its tensors are on several GPUs ({sorted(indices)})", True
+    if not tensors:
+        if cuda_available():
+            return CUDA, torch.cuda.current_device(), None, False
+        return None, -1, NO_CUDA, False
+    if types == {"cpu"}:
+        if _emulation is not None:
+            return _emulation, -1, None, False
+        return None, -1, ON_THE_CPU if cuda_available() else NO_CUDA, False
+    if "cuda" in types and "cpu" in types:
+        return None, -1, ("it mixes CPU and CUDA tensors; the CPU work would not be replayed. "
+                          "Move every tensor argument to the GPU"), True
+    return None, -1, f"its tensors are on {sorted(types)}, not CUDA", False
+
+
+def eager_whatever_the_key(args: Sequence[Any], kwargs: dict) -> Optional[str]:
+    """Why a call of plain CPU tensors runs eagerly whatever its key would be, or None; asked
+    before keying, so that such calls cost about what the bare call does. (Other calls are
+    keyed first: an unhashable argument is an error everywhere, with or without CUDA.)"""
+    if kwargs or not args or _emulation is not None:
+        return None
+    for a in args:
+        if type(a) is not Tensor or a.is_cuda:
+            return None
+    return ON_THE_CPU if cuda_available() else NO_CUDA

@@ -1,0 +1,165 @@
+"""One capture sequence for every graph: static inputs, the guard, the read watch, the
+backend's capture, and every refusal, for inference and training graphs alike.
+
+>>> request = CaptureRequest(step, (x,), {}, [x], CUDA, 0, pool, "copy", "step(x: ...)", roots)
+>>> recorded = record(request, InputPlan(request.tensors))
+>>> recorded.capture.graph.replay()      # nothing of the call ran on the device until now
+
+A training graph (``_training``) adds a watch of its forward's ops (``watches``) and its own
+check of the function's error (``refuse_error``), and records its backward afterwards; all
+else is here, so every refusal and every warm-up applies to both (docs/design.md, "One capture
+sequence"). Nothing of the call runs: a caller that wants this call's effects replays once.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ._backend import Capture
+from ._guard import Finding, UnsafeOpDetector, classify_capture_error
+from ._plan import InputPlan, OutputPlan, UnplannableOutput
+from ._reads import CallWatch, Survey
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal(Finding):
+    """Why a key cannot be graphed, about the call as a whole rather than one line.
+
+    >>> Refusal("", "its arguments are padded to a bucket, ...").message()
+    'its arguments are padded to a bucket, ...'
+    """
+
+    def message(self) -> str:
+        return self.consequence
+
+
+class CaptureFailed(Exception):
+    """The key cannot be graphed; ``finding`` says why and where."""
+
+    def __init__(self, finding: Finding):
+        super().__init__(finding.message())
+        self.finding = finding
+
+
+def refused(reason: str) -> CaptureFailed:
+    return CaptureFailed(Refusal("", reason))
+
+
+def capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[Finding]:
+    """What stopped a capture: the guard's finding, a capture error of the backend's, or None
+    (no failure, or the function's own exception, which the caller re-raises).
+
+    >>> capture_failure(detector, backend.capture(run, 0, pool.handle))
+    Finding(operation='.item()', consequence='synchronises with the host', ...)
+    """
+    finding = detector.finding
+    for error in (capture.error, capture.hard_error):
+        if finding is None and error is not None:
+            finding = classify_capture_error(error)
+    if finding is None and capture.hard_error is not None:
+        finding = Finding("the capture", f"failed: {capture.hard_error}")
+    return finding
+
+
+@dataclasses.dataclass
+class CaptureRequest:
+    """Everything one capture of a key needs, made by the key's life (``_key_life``)."""
+
+    call: Callable
+    args: tuple
+    kwargs: dict
+    tensors: Sequence[Tensor]
+    backend: Any
+    device: int
+    pool: Any
+    policy: str  # outputs="copy" or "static"
+    label: str  # "step(x: f32[8] cuda:0)", for messages
+    roots: Sequence[Tuple[str, Any]]  # where the tensors it reads may come from (_reads)
+    uses_cudnn: bool = False
+    padding: Any = None  # a bucket's Padding, or None
+    addressed: Sequence[int] = ()  # arguments used by address (static_argnames)
+    warmup_shapes: Optional[List[Any]] = None  # the watched warmup's output shapes (buckets)
+
+    @property
+    def rows(self) -> Optional[int]:
+        return None if self.padding is None else self.padding.rows
+
+
+@dataclasses.dataclass
+class Recorded:
+    """A capture that succeeded, with what it learnt about the call."""
+
+    capture: Capture
+    inputs: InputPlan
+    outputs: OutputPlan
+    watch: CallWatch  # the storages it wrote, the tensors it read by address
+    survey: Survey  # names of what it can reach, and .grad slots before the capture
+
+
+def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = (),
+           refuse_error: Callable[[BaseException], Optional[str]] = lambda error: None
+           ) -> Recorded:
+    """Capture ``request.call`` on ``inputs``' statics under the guard, the read watch and
+    ``watches``; nothing runs yet.
+
+    Raises ``CaptureFailed`` when the guard or the backend rejects the capture, when the call
+    resizes an argument, when ``refuse_error`` names a reason for the function's exception, or
+    when its outputs cannot be planned (nothing of the call has run: the caller runs it
+    eagerly); or the function's own exception after replaying the part captured before it, as
+    eager execution would have run it.
+    """
+    static_args, static_kwargs, given = inputs.substitute(request.args, request.kwargs)
+    before = inputs.versions()
+    # Surveyed before the capture: the function may rebind what it reads (a growing cache)
+    # or set the .grad of what it trains.
+    survey = Survey(request.roots)
+    detector = UnsafeOpDetector(request.backend.device_type, raise_on_unsafe=True)
+    watch = CallWatch(inputs.statics)
+
+    def run() -> Any:
+        with detector, watch, contextlib.ExitStack() as stack:
+            for extra in watches:
+                stack.enter_context(extra)
+            return request.call(*static_args, **static_kwargs)
+
+    try:
+        capture = request.backend.capture(run, request.device,
+                                          request.pool.handle_for_capture(), request.uses_cudnn)
+        finding = capture_failure(detector, capture)
+        if finding is not None:
+            raise CaptureFailed(finding)
+        if capture.error is not None and refuse_error(capture.error) is not None:
+            raise refused(refuse_error(capture.error))  # type: ignore[arg-type]
+        inputs.note_writes(before, watch.written)
+        resized = inputs.resized()
+        if resized is not None:
+            raise refused(
+                f"it resizes its argument {resized} (an out= tensor of another size, or "
+                f"resize_()), and a graph's inputs keep their size and address. Pass a tensor "
+                f"of the output's size")
+        if capture.error is not None:  # the function's own: run what it did before, raise it
+            error = capture.error
+            with torch.no_grad():
+                capture.graph.replay()
+                inputs.copy_back(request.tensors, request.rows)
+            # The traceback keeps this frame alive: drop the graph now, not at a later garbage
+            # collection that could land inside another capture.
+            del capture
+            raise error
+        outputs = OutputPlan(capture.outputs, inputs.statics, request.policy, request.label,
+                             request.pool, given, request.padding, request.warmup_shapes)
+    except UnplannableOutput as unplannable:
+        survey.restore_grads()
+        raise refused(str(unplannable)) from None
+    except CaptureFailed:
+        # A backward in the capture set .grad (in Python) to the memory of this discarded
+        # graph; the eager run that follows must find .grad as it was.
+        survey.restore_grads()
+        raise
+    return Recorded(capture, inputs, outputs, watch, survey)
+

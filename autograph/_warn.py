@@ -1,0 +1,24 @@
+"""Warnings at the user's line: the first frame outside autograph and torch.
+
+>>> warn_user("step(x: f32[8] cuda:0) runs eagerly: .item() at model.py:42 synchronises ...")
+
+A graphed module's forward is called from ``nn.Module.__call__``, a function from autograph's
+wrapper: the warning names the line that called them, where the user can act.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from types import FrameType
+from typing import Optional
+
+from ._errors import AutographWarning
+from ._guard import is_user_file
+
+
+def warn_user(message: str) -> None:
+    frame: Optional[FrameType] = sys._getframe(1)
+    level = 2
+    while frame is not None and not is_user_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, AutographWarning, stacklevel=level)
