@@ -13,24 +13,20 @@ from the key lookup to the copy of the outputs (docs/design.md, "A call's life")
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import itertools
 import threading
-import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _config, _devices, _stats
-from ._buckets import BucketRule, Padding, bucket_key, resized_examples
-from ._config import Options, logger
+from ._buckets import BucketRule, Padding, bucket_key
+from ._config import Options
 from ._key_cache import KeyCache
-from ._key_life import EAGER, GRAPHED, MISS, Call, Function, KeyLife
-from ._keys import (call_key, describe_parts, execution_state, flatten_arguments, join_parts,
-                    unsupported_tensor)
-from ._progress import progress
+from ._key_life import EAGER, MISS, Call, Function, KeyLife
+from ._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
 from ._scope import current_region
 from ._warn import warn_user
 
@@ -109,12 +105,7 @@ class Engine:
             return call(*args, **kwargs)
         if _devices.inside_a_capture():
             return call(*args, **kwargs)
-        bound = self.per_instance and instance is not None
-        cache = self.cache_for(instance) if bound else self.cache
-        state = execution_state(instance.training if isinstance(instance, torch.nn.Module)
-                                else None)
-        names = self.method_names if bound else self.names
-        options = self.options if region is None else self.options_in(region)
+        options, cache, names, state = self.call_options(instance, region)
         keyed = call_key(args, kwargs, state, names, options.static_argnames,
                          options.static_argnums)
         key = keyed.key if options is self.options or options == self.options \
@@ -202,75 +193,22 @@ class Engine:
                   f"a fixed-size one such as transformers' StaticCache), or call it outside "
                   f"autograph.")
 
-    # ---- ahead of time ----
+    def new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
+                 options: Options) -> KeyLife:
+        """A new key for ``capture()`` (``_ahead``)."""
+        return self._new_life(cache, key, c, identities, options, None)
 
-    def capture_ahead(self, call: Callable, instance: Any, args: tuple, kwargs: dict
-                      ) -> List[_stats.KeyStats]:
-        """Warm up and capture the keys of this example call (every bucket, largest first)
-        without leaving its effects behind; see ``GraphedFunction.capture``."""
-        if _config.ENV.disable:
-            return []
-        region = current_region()
+    def call_options(self, instance: Any, region: Any
+                     ) -> Tuple[Options, KeyCache, List[str], tuple]:
+        """The options, cache, parameter names and execution state of a call made now, in
+        ``region``."""
         options = self.options if region is None else self.options_in(region)
         bound = self.per_instance and instance is not None
         cache = self.cache_for(instance) if bound else self.cache
         names = self.method_names if bound else self.names
         state = execution_state(instance.training if isinstance(instance, torch.nn.Module)
                                 else None)
-        examples: List[Tuple[tuple, dict, Optional[Padding]]] = [(args, kwargs, None)]
-        if options.buckets is not None:
-            examples = self._bucket_examples(options, names, args, kwargs, state)
-        rows = []
-        started = time.perf_counter()
-        for example_args, example_kwargs, padding in progress(examples,
-                                                              f"capturing {self.name}"):
-            keyed = call_key(example_args, example_kwargs, state, names,
-                             options.static_argnames, options.static_argnums)
-            key = keyed.key
-            if padding is not None:
-                # The example's own choice of padded tensors at every size (the default rule
-                # could add one whose dim happens to equal a bucket), as real calls make it.
-                key = bucket_key(example_args, example_kwargs, state, names,
-                                 options.static_argnames, options.static_argnums, padding)
-            if options is not self.options and options != self.options:
-                key = (key, options)
-            with cache.lock:
-                if cache.dead_keys:
-                    cache.forget_dead()
-                c = Call(call, instance, example_args, example_kwargs, names, keyed.tensors,
-                         keyed.addressed, padding, region, cache, state)
-                life = cache.entries.get(key) or self._new_life(cache, key, c,
-                                                                keyed.identities, options, None)
-                life.capture_ahead(c)
-                rows.append(life.stats())
-        captured = [r for r in rows if r.state == GRAPHED]
-        logger.info("%s: captured %d graph(s) in %.2f s, %.1f MiB", self.name, len(captured),
-                    time.perf_counter() - started,
-                    sum(r.graph_bytes for r in captured) / 2**20)
-        return rows
-
-    def _bucket_examples(self, options: Options, names: List[str], args: tuple,
-                         kwargs: dict, state: tuple
-                         ) -> List[Tuple[tuple, dict, Optional[Padding]]]:
-        """The example call resized to every bucket, largest first, with its padding."""
-        keyed = call_key(args, kwargs, state, names, options.static_argnames,
-                         options.static_argnums)
-        padding, reason = BucketRule(options.buckets, options.bucket_args).padding(
-            names, args, kwargs, keyed.tensors, keyed.addressed)
-        if padding is None:
-            raise ValueError(f"{self.name}.capture(): the example call cannot be bucketed: "
-                             f"{reason}.")
-        examples = []
-        for size in reversed(options.buckets):
-            resized = resized_examples(keyed.tensors, padding, size)
-            leaves, rebuild = flatten_arguments((args, kwargs))
-            index = iter(range(len(keyed.tensors)))
-            resized_args, resized_kwargs = rebuild([resized.get(next(index), leaf)
-                                                    if isinstance(leaf, Tensor) else leaf
-                                                    for leaf in leaves])
-            examples.append((resized_args, resized_kwargs,
-                             dataclasses.replace(padding, rows=size, bucket=size)))
-        return examples
+        return options, cache, names, state
 
     # ---- caches and options ----
 

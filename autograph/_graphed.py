@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, overl
 import torch
 import wrapt
 
+from ._ahead import capture_ahead
 from ._config import Options, check_option_names
 from ._engine import Engine, _is_compiling
 from ._stats import KeyStats
@@ -54,7 +55,7 @@ class GraphedFunction(wrapt.FunctionWrapper):
         KV cache, module buffers, random generators), and capturing runs nothing: the caller's
         state is as before. Returns the stats of the keys captured.
         """
-        return self._self_engine.capture_ahead(self.__wrapped__, None, args, kwargs)
+        return capture_ahead(self._self_engine, self.__wrapped__, None, args, kwargs)
 
     def stats(self) -> List[KeyStats]:
         """Snapshots of this function's keys (every instance's, for a method)."""
@@ -70,8 +71,8 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
 
     def capture(self, *args: Any, **kwargs: Any) -> List[KeyStats]:
         """``GraphedFunction.capture`` for this instance's graphs."""
-        return self._self_parent._self_engine.capture_ahead(
-            self.__wrapped__, self._self_instance, args, kwargs)
+        return capture_ahead(self._self_parent._self_engine, self.__wrapped__,
+                             self._self_instance, args, kwargs)
 
     def stats(self) -> List[KeyStats]:
         return self._self_parent.stats()
@@ -163,7 +164,7 @@ class GraphedForward:
         >>> model.forward.capture(ids, past_key_values=cache)
         """
         forward, module = self._bound()
-        return self._self_engine.capture_ahead(forward, module, args, kwargs)
+        return capture_ahead(self._self_engine, forward, module, args, kwargs)
 
     def stats(self) -> List[KeyStats]:
         """Snapshots of this module's keys."""

@@ -5,7 +5,7 @@
 >>> detector.finding.message()
 '.item() at model.py:42 synchronises with the host'
 
-Two layers (SPEC 3):
+Two layers (docs/design.md, "The guard"):
 - a ``TorchDispatchMode`` sees every ATen op of the calling thread: host reads
   (``.item()``, ``bool(t)``), device-to-host copies, pageable host-to-device copies, ops
   whose output shape depends on the data (``nonzero``, boolean masks, ``unique``) and CPU
@@ -14,12 +14,8 @@ Two layers (SPEC 3):
   ``torch.inference_mode()`` composite ops reach the mode whole (``bool(t)`` arrives as
   ``aten.is_nonzero``), so the mode runs their parts under itself and sees the same ops as
   under ``torch.no_grad()``;
-- temporary, thread-checked patches of host calls that are not ATen ops:
-  ``torch.cuda.synchronize``, ``empty_cache``, the ``Stream`` and ``Event`` waits, and the
-  calls that reseed or restore a random generator (``torch.manual_seed``, ``torch.seed``,
-  ``torch.set_rng_state``, their ``torch.random`` and ``torch.cuda`` forms and
-  ``torch.random.fork_rng``): a replay does not run Python, so a reseed would happen at
-  capture only. The outermost call is reported, at the user's line.
+- temporary, thread-checked patches of host calls that are not ATen ops (``_host_calls``):
+  synchronisation, the allocator, and reseeding or restoring a random generator.
 The detector observes during the last warmup call (nothing raised: the user's real call runs
 as written) and raises ``GuardError`` during capture, so a capture stops before CUDA fails.
 What slips past both (code that disables dispatch modes, C extensions, a ``Generator``
@@ -39,13 +35,15 @@ import operator
 import os
 import re
 import sys
-import threading
 import traceback
 from types import FrameType, TracebackType
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
+from ._host_calls import RESEEDS as _RESEEDS
+from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
+from ._host_calls import watch_host_calls
 from ._modes import CompiledCodeRunsUnder
 from ._reads import tensors_in
 
@@ -78,26 +76,9 @@ class GuardError(RuntimeError):
         self.finding = finding
 
 
-_COMPILER_DIRS = tuple(os.path.join(os.path.dirname(torch.__file__), name) + os.sep
-                      for name in ("_inductor", "_dynamo"))
-
-
 def is_user_file(filename: str) -> bool:
     # "<eval_with_key>.N": code that torch.fx generates for a compiled graph.
     return not filename.startswith(_SKIPPED_DIRS) and not filename.startswith("<")
-
-
-def _in_compiled_code_runtime(frame: Optional[FrameType]) -> bool:
-    """Whether a host call comes from torch.compile itself: Inductor times a kernel's
-    configurations at its first run, synchronising; Dynamo saves and restores the random
-    generators around a compile. Like the dispatch mode (``ignore_compile_internals``), the
-    patches leave the compiler alone; a sync that reached a capture would still be caught as a
-    CUDA capture error."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_COMPILER_DIRS):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _location(filename: str, lineno: int) -> Tuple[str, str]:
@@ -162,8 +143,6 @@ _CPU_CONSEQUENCE = ("runs on the CPU, or feeds a CPU value to the GPU, which a g
 _INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
               "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
 _SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
-_SYNC_CONSEQUENCE = "synchronises with the host"
-_READS_VALUES = "reads the tensor's values in Python, which a graph freezes at capture"
 
 
 def optimizer_running(frame: Optional[FrameType]) -> Optional[torch.optim.Optimizer]:
@@ -283,103 +262,6 @@ def _composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     return below
 
 
-_local = threading.local()
-_patch_lock = threading.Lock()
-_patch_users = 0
-_originals: dict = {}
-
-
-def _on_device(args: tuple, device_type: str) -> bool:
-    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == device_type
-
-
-def _always(args: tuple, device_type: str) -> bool:
-    return True
-
-
-_RESEEDS = ("reseeds the random generator, which a graph does only at capture: replays would "
-            "not restart the random sequence")
-_SETS_STATE = ("sets the random generator's state, which a graph does only at capture: replays "
-               "would not restart the random sequence")
-_FORKS = ("restores the random generator's state on exit, which a graph does only at capture: "
-          "replays would not restore it")
-
-
-def _patch_targets() -> list:
-    """Host calls that are not ATen ops: (owner, attribute, operation, consequence, applies)."""
-    # torch.manual_seed (torch.random.manual_seed under another name) calls
-    # torch.cuda.manual_seed_all: the outermost call reports first, and only the first
-    # finding is kept.
-    seeding = [(owner, name, f"{prefix}.{name}()",
-                _SETS_STATE if name.startswith("set_") else _RESEEDS, _always)
-               for owner, prefix, names in (
-                   (torch, "torch", ("manual_seed", "seed", "set_rng_state")),
-                   (torch.random, "torch.random", ("manual_seed", "seed", "set_rng_state")),
-                   (torch.cuda, "torch.cuda", ("manual_seed", "manual_seed_all", "seed",
-                                               "seed_all", "set_rng_state",
-                                               "set_rng_state_all")))
-               for name in names]
-    return seeding + [
-        # Reported where the user enters it: its restore runs from contextlib, on exit.
-        (torch.random, "fork_rng", "torch.random.fork_rng()", _FORKS, _always),
-        (torch.cuda, "synchronize", "torch.cuda.synchronize()", "waits for the whole GPU",
-         _always),
-        (torch.cuda, "empty_cache", "torch.cuda.empty_cache()",
-         "changes the allocator, which a graph cannot replay", _always),
-        (torch.cuda.Stream, "synchronize", "Stream.synchronize()", _SYNC_CONSEQUENCE, _always),
-        (torch.cuda.Stream, "query", "Stream.query()", "polls the GPU from the host", _always),
-        (torch.cuda.Event, "synchronize", "Event.synchronize()", _SYNC_CONSEQUENCE, _always),
-        (torch.cuda.Event, "query", "Event.query()", "polls the GPU from the host", _always),
-        # Tensor.__repr__ turns dispatch modes off before it reads the values.
-        (torch._tensor_str, "_str", "print() or repr() of a GPU tensor",
-         "copies it to the host, which synchronises", _on_device),
-        # On a CUDA tensor the dispatch mode sees their copy to the host; on the CPU (the
-        # emulation) there is no copy to see, and the value would be frozen at capture.
-        (torch.Tensor, "tolist", ".tolist()", _READS_VALUES, _on_device),
-        (torch.Tensor, "numpy", ".numpy()", _READS_VALUES, _on_device),
-    ]
-
-
-def _guarded(original: Callable, operation: str, consequence: str,
-             applies: Callable[[tuple, str], bool]) -> Callable:
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        detector = getattr(_local, "detector", None)
-        if detector is not None and applies(args, detector.device_type) \
-                and not _in_compiled_code_runtime(sys._getframe(1)):
-            detector.report(operation, consequence, sys._getframe(1))
-        return original(*args, **kwargs)
-
-    guarded.__wrapped__ = original  # type: ignore[attr-defined]
-    return guarded
-
-
-def _install_patches() -> None:
-    global _patch_users
-    with _patch_lock:
-        _patch_users += 1
-        if _patch_users > 1:
-            return
-        for owner, name, operation, consequence, applies in _patch_targets():
-            # None: inherited (Tensor.tolist is TensorBase's), so removing the patch deletes it.
-            _originals[(owner, name)] = owner.__dict__.get(name)
-            setattr(owner, name, _guarded(getattr(owner, name), operation, consequence,
-                                          applies))
-
-
-def _remove_patches() -> None:
-    global _patch_users
-    with _patch_lock:
-        _patch_users -= 1
-        if _patch_users:
-            return
-        for (owner, name), original in _originals.items():
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        _originals.clear()
-
-
 class UnsafeOpDetector(CompiledCodeRunsUnder):
     """Record (or stop at) the first unsafe operation made by the current thread.
 
@@ -428,24 +310,19 @@ class UnsafeOpDetector(CompiledCodeRunsUnder):
             super().__exit__(None, None, None)
 
     def __enter__(self) -> "UnsafeOpDetector":
-        self._outer = getattr(_local, "detector", None)
-        _local.detector = self
-        _install_patches()
+        self._host_calls = watch_host_calls(self)
+        self._host_calls.__enter__()
         try:
             return super().__enter__()
         except BaseException:
-            self._leave()
+            self._host_calls.__exit__(None, None, None)
             raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            self._leave()
-
-    def _leave(self) -> None:
-        _local.detector = self._outer
-        _remove_patches()
+            self._host_calls.__exit__(None, None, None)
 
 
 # Errors that CUDA or PyTorch raise when work cannot be captured, with plain words for each.

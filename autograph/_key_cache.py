@@ -82,6 +82,18 @@ class KeyCache:
     def graphs(self) -> int:
         return sum(e.graph is not None for e in self.entries.values())
 
+    def past_max_graphs(self, life: KeyLife) -> bool:
+        """Whether ``life``'s key may not have a graph, because its function has max_graphs
+        already; it then runs eagerly, said once per cache."""
+        if self.graphs() < life.options.max_graphs:
+            return False
+        first = "max_graphs" not in self.said
+        self.said.add("max_graphs")
+        life.fall_back(
+            f"{life.function.name} already has max_graphs={life.options.max_graphs} graphs; "
+            f"raise max_graphs, or pad inputs to fewer shapes (buckets=)", warn=first)
+        return True
+
     def _evict(self) -> None:
         # Oldest first (dicts keep insertion order); keys with a graph stay.
         for key in [k for k, e in self.entries.items() if e.graph is None]:

@@ -33,8 +33,7 @@ from ._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
 from ._training import TrainingGraph
-from ._undo import UndoWrites
-from ._verify import verified_replay
+from ._verify import checked_replay
 from ._warn import warn_user
 
 Tensor = torch.Tensor
@@ -54,6 +53,10 @@ class Function:
     name: str
     fn: Callable
     instance_label: str = "self"
+
+    def roots(self, c: "Call") -> list:
+        """Where the tensors a call of it reads may come from (``_reads.roots_of``)."""
+        return roots_of(self.fn, c.instance, c.names, c.args, c.kwargs, self.instance_label)
 
 
 class Call:
@@ -89,8 +92,7 @@ class KeyLife:
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
         self.function = function
         self.owner = owner  # the cache's name: "step", or "Net.forward#2" for an instance
-        self.label = label
-        self.parts = parts  # the label's pieces, to say what differs between two keys
+        self.label, self.parts = label, parts  # parts: to say what differs between two keys
         self.options, self.backend, self.device = options, backend, device
         self.phase = WARMUP
         self.calls = self.eager_calls = self.replays = self.warmups = self.recaptures = 0
@@ -102,16 +104,14 @@ class KeyLife:
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
         self.identity_ids: List[int] = []  # ids of the objects it keys by identity
-        # The output shapes of the watched warmup, run at the call's real size: for a bucket,
-        # they tell which outputs follow the padded dimension.
+        # The watched warmup's output shapes (buckets: which outputs follow the padded dim).
         self.warmup_shapes: Optional[List[Any]] = None
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
         # The process groups its warmup ran collectives on: their ranks agree on its capture.
         self.groups: List[Any] = []
         self.sizes: Dict[int, int] = {}  # a bucket's calls by their real size
-        # Verify mode: replays still to check against an eager run, set at each capture (the
-        # replay path tests this one attribute); replays found to match.
+        # Verify mode: replays still to check (set at each capture), and those that matched.
         self.checks_left = self.verified = 0
 
     # ---- replays ----
@@ -134,8 +134,7 @@ class KeyLife:
         return graph.replay(tensors, padding)
 
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
-        """Nothing it reads by address was freed, no argument it writes shares memory with
-        another, and no earlier call's backward still needs a training graph's activations."""
+        """Nothing it reads by address freed, no written argument aliased, no backward due."""
         return graph.may_replay() and not (
             graph.mutated and shares_written_memory(tensors, graph.mutated)) and not (
             self.trains and graph.busy())
@@ -165,26 +164,12 @@ class KeyLife:
     def _observed_replay(self, c: Call) -> Any:
         """A replay that verify mode checks against an eager run first, or that a profiler
         records as a named range."""
-        if not self.checks_left:
-            self.replays += 1
-            c.note(self, "replays")
-            with profile_range("replay", self.function.name, self.label):
-                return self.graph.replay(c.tensors, c.padding)
-        self.checks_left -= 1
-        outputs, mismatch = verified_replay(self.graph, c, self.function.name, self.label,
-                                            lambda: self._roots(c))
-        if mismatch is not None:  # the caller got the eager run's outputs and effects
-            self.eager_calls += 1
-            c.note(self, "eager_calls")
-            self.fall_back(mismatch)
-            return outputs
+        if self.checks_left:
+            return checked_replay(self, c)
         self.replays += 1
-        self.verified += 1
         c.note(self, "replays")
-        if not self.checks_left:
-            logger.info("%s(%s): its first %d replays after capture matched eager runs",
-                        self.function.name, self.label, self.options.replays_to_verify)
-        return outputs
+        with profile_range("replay", self.function.name, self.label):
+            return self.graph.replay(c.tensors, c.padding)
 
     # ---- eager calls ----
 
@@ -237,7 +222,7 @@ class KeyLife:
     def _capture(self, c: Call) -> Any:
         """Record the graph and replay it once for this call's result; MISS if it cannot be
         graphed (the key now runs eagerly)."""
-        graph = self._agreed_record(c)
+        graph = self.agreed_record(c)
         if graph is None:
             return MISS
         self.replays += 1
@@ -253,40 +238,20 @@ class KeyLife:
                 f"fixed-size cache updated in place (transformers' StaticCache), or pass the "
                 f"tensor as an argument", raise_now=False)
             return outputs
-        self._adopt(graph)
+        self.adopt(graph)
         c.note(self, "captures")
         c.note(self, "replays")
         return outputs
 
-    def capture_ahead(self, c: Call) -> None:
-        """Warm up and capture without leaving the warmups' effects behind (``capture()``)."""
-        if self.graph is not None or self.phase not in (WARMUP, CAPTURE) \
-                or self._over_max_graphs(c.cache):
-            return
-        undo = UndoWrites()
-        try:
-            with nested_calls(), undo, self.backend.eager_stream(self.device):
-                while self.warmups < self.options.warmup - 1:
-                    c.call(*c.args, **c.kwargs)
-                    self.warmups += 1
-                self.watched_warmup(c)
-        finally:
-            undo.restore()
-        graph = self._agreed_record(c)
-        if graph is not None:
-            graph.watch_reads()
-            if graph.invalid_reason is None:
-                self._adopt(graph)
-
-    def _adopt(self, graph: Graph) -> None:
+    def adopt(self, graph: Graph) -> None:
         self.graph, self.phase = graph, GRAPHED
         self.checks_left = self.options.replays_to_verify
 
-    def _agreed_record(self, c: Call) -> Optional[Graph]:
+    def agreed_record(self, c: Call) -> Optional[Graph]:
         """Record the key's graph, and if its calls run collectives, agree with the other
         ranks of their groups (``_ranks``); None (the key now runs eagerly) if this rank or
         another could not graph it, or its function has max_graphs graphs already."""
-        if self._over_max_graphs(c.cache):
+        if c.cache.past_max_graphs(self):
             return None
         try:
             graph: Optional[Graph] = self._record(c)
@@ -315,27 +280,13 @@ class KeyLife:
         # before its capture, and making it (a small convolution) costs a fraction of a second.
         cudnn = self.uses_cudnn and self.warmup_thread != threading.get_ident()
         request = CaptureRequest(c.call, c.args, c.kwargs, c.tensors, self.backend,
-                                 self.device, pool, self.options.outputs, label, self._roots(c),
+                                 self.device, pool, self.options.outputs, label, self.function.roots(c),
                                  cudnn, c.padding, c.addressed, self.warmup_shapes)
         with nested_calls(), profile_range("capture", self.function.name, self.label):
             graph = (TrainingGraph if self.trains else Graph).record(request)
         logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
                     graph.memory_bytes / 2**20)
         return graph
-
-    def _roots(self, c: Call) -> list:
-        return roots_of(self.function.fn, c.instance, c.names, c.args, c.kwargs,
-                        self.function.instance_label)
-
-    def _over_max_graphs(self, cache: Any) -> bool:
-        if cache.graphs() < self.options.max_graphs:
-            return False
-        first = "max_graphs" not in cache.said
-        cache.said.add("max_graphs")
-        self.fall_back(
-            f"{self.function.name} already has max_graphs={self.options.max_graphs} graphs; "
-            f"raise max_graphs, or pad inputs to fewer shapes (buckets=)", warn=first)
-        return True
 
     def _invalidate(self) -> None:
         graph, self.graph = self.graph, None
@@ -372,9 +323,8 @@ class KeyLife:
     def stats(self) -> KeyStats:
         graph = self.graph
         return KeyStats(
-            function=self.owner, key=self.label,
-            state=WARMUP if self.phase == CAPTURE else self.phase,
-            calls=self.calls, eager_calls=self.eager_calls, replays=self.replays,
+            function=self.owner, key=self.label, state=WARMUP if self.phase == CAPTURE
+            else self.phase, calls=self.calls, eager_calls=self.eager_calls, replays=self.replays,
             capture_seconds=graph.capture_seconds if graph else None,
             graph_bytes=graph.memory_bytes if graph else 0,
             fallback_reason=self.reason, bucket=self.bucket, sizes=dict(self.sizes) or None,

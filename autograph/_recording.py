@@ -115,8 +115,7 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
     """
     static_args, static_kwargs, given = inputs.substitute(request.args, request.kwargs)
     before = inputs.versions()
-    # Surveyed before the capture: the function may rebind what it reads (a growing cache)
-    # or set the .grad of what it trains.
+    # Before the capture: the function may rebind what it reads, or set the .grad of leaves.
     survey = Survey(request.roots)
     detector = UnsafeOpDetector(request.backend.device_type, raise_on_unsafe=True)
     watch = CallWatch(inputs.statics)
@@ -130,11 +129,7 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
     try:
         capture = request.backend.capture(run, request.device,
                                           request.pool.handle_for_capture(), request.uses_cudnn)
-        finding = capture_failure(detector, capture)
-        if finding is not None:
-            raise CaptureFailed(finding)
-        if capture.error is not None and refuse_error(capture.error) is not None:
-            raise refused(refuse_error(capture.error))  # type: ignore[arg-type]
+        _refuse(capture, detector, refuse_error)
         inputs.note_writes(before, watch.written)
         resized = inputs.resized()
         if resized is not None:
@@ -163,3 +158,15 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
         raise
     return Recorded(capture, inputs, outputs, watch, survey)
 
+
+
+def _refuse(capture: Capture, detector: UnsafeOpDetector,
+            refuse_error: Callable[[BaseException], Optional[str]]) -> None:
+    """``CaptureFailed`` if the guard or the backend stopped the capture, or ``refuse_error``
+    names a reason for the function's exception."""
+    finding = capture_failure(detector, capture)
+    if finding is not None:
+        raise CaptureFailed(finding)
+    reason = None if capture.error is None else refuse_error(capture.error)
+    if reason is not None:
+        raise refused(reason)

@@ -1,4 +1,4 @@
-"""Verify mode (SPEC 4, ``verify=n``): check a replay against an eager run of the same call.
+"""Verify mode (``verify=n``): check a replay against an eager run of the same call.
 
 >>> outputs, mismatch = verified_replay(graph, call, "step", "x: f32[8] cuda:0", roots)
 >>> mismatch        # None, or what differs: "out[1].logits (f32[1, 1024] cuda:0) differs ..."
@@ -24,6 +24,7 @@ import torch
 
 from ._keys import _IMMUTABLE, _children, describe_tensor, flatten_arguments
 from ._profile import profile_range
+from ._config import logger
 from ._reads import Survey, written_tensors
 from ._scope import nested_calls
 from ._undo import UndoWrites
@@ -266,3 +267,24 @@ def verified_replay(graph: Any, c: Any, function: str, key: str, roots: Roots
     run.redo(written)
     return eager, (f"verify: its replay differs from an eager run of the same call: "
                    f"{difference}. {_CAUSES}")
+
+
+def checked_replay(life: Any, c: Any) -> Any:
+    """Verify mode's replay of ``life``'s key (``_key_life.KeyLife``): checked against an
+    eager run; a mismatch makes the key eager, and the caller gets the eager run's outputs
+    and effects."""
+    life.checks_left -= 1
+    outputs, mismatch = verified_replay(life.graph, c, life.function.name, life.label,
+                                        lambda: life.function.roots(c))
+    if mismatch is not None:
+        life.eager_calls += 1
+        c.note(life, "eager_calls")
+        life.fall_back(mismatch)
+        return outputs
+    life.replays += 1
+    life.verified += 1
+    c.note(life, "replays")
+    if not life.checks_left:
+        logger.info("%s(%s): its first %d replays after capture matched eager runs",
+                    life.function.name, life.label, life.options.replays_to_verify)
+    return outputs

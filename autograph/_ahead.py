@@ -1,0 +1,111 @@
+"""Capture ahead of time: ``fn.capture(*example_args)`` warms up and captures without leaving
+the warmups' effects behind, every bucket largest first.
+
+>>> step.capture(torch.zeros(8, 512, device="cuda"), w)     # -> the captured keys' stats
+
+The example call is keyed as a real call would be (with ``buckets``, resized to every size and
+keyed as its bucket), each key warms up under ``UndoWrites`` (arguments, tensors it writes by
+address such as a KV cache, module buffers and random generators come back as they were), and
+capturing runs nothing. Keys already graphed or eager are left as they are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from . import _config
+from ._buckets import BucketRule, Padding, bucket_key, resized_examples
+from ._config import Options, logger
+from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
+from ._keys import call_key, flatten_arguments
+from ._progress import progress
+from ._scope import current_region, nested_calls
+from ._stats import KeyStats
+from ._undo import UndoWrites
+
+Tensor = torch.Tensor
+
+
+def capture_ahead(engine: Any, call: Callable, instance: Any, args: tuple, kwargs: dict
+                  ) -> List[KeyStats]:
+    """Warm up and capture the keys of this example call of ``engine``'s function."""
+    if _config.ENV.disable:
+        return []
+    region = current_region()
+    options, cache, names, state = engine.call_options(instance, region)
+    examples: List[Tuple[tuple, dict, Optional[Padding]]] = [(args, kwargs, None)]
+    if options.buckets is not None:
+        examples = _bucket_examples(engine.name, options, names, args, kwargs, state)
+    rows = []
+    started = time.perf_counter()
+    for example_args, example_kwargs, padding in progress(examples,
+                                                          f"capturing {engine.name}"):
+        keyed = call_key(example_args, example_kwargs, state, names, options.static_argnames,
+                         options.static_argnums)
+        key = keyed.key
+        if padding is not None:
+            # The example's own choice of padded tensors at every size (the default rule
+            # could add one whose dim happens to equal a bucket), as real calls make it.
+            key = bucket_key(example_args, example_kwargs, state, names,
+                             options.static_argnames, options.static_argnums, padding)
+        if options is not engine.options and options != engine.options:
+            key = (key, options)
+        with cache.lock:
+            if cache.dead_keys:
+                cache.forget_dead()
+            c = Call(call, instance, example_args, example_kwargs, names, keyed.tensors,
+                     keyed.addressed, padding, region, cache, state)
+            life = cache.entries.get(key) or engine.new_life(cache, key, c, keyed.identities,
+                                                             options)
+            _capture_key(life, c)
+            rows.append(life.stats())
+    captured = [r for r in rows if r.state == GRAPHED]
+    logger.info("%s: captured %d graph(s) in %.2f s, %.1f MiB", engine.name, len(captured),
+                time.perf_counter() - started, sum(r.graph_bytes for r in captured) / 2**20)
+    return rows
+
+
+def _capture_key(life: KeyLife, c: Call) -> None:
+    """Warm ``life``'s key up and take the warmups' effects back, then capture it."""
+    if life.graph is not None or life.phase not in (WARMUP, CAPTURE) \
+            or c.cache.past_max_graphs(life):
+        return
+    undo = UndoWrites()
+    try:
+        with nested_calls(), undo, life.backend.eager_stream(life.device):
+            while life.warmups < life.options.warmup - 1:
+                c.call(*c.args, **c.kwargs)
+                life.warmups += 1
+            life.watched_warmup(c)
+    finally:
+        undo.restore()
+    graph = life.agreed_record(c)
+    if graph is not None:
+        graph.watch_reads()
+        if graph.invalid_reason is None:
+            life.adopt(graph)
+
+
+def _bucket_examples(name: str, options: Options, names: List[str], args: tuple,
+                     kwargs: dict, state: tuple) -> List[Tuple[tuple, dict, Optional[Padding]]]:
+    """The example call resized to every bucket, largest first, with its padding."""
+    keyed = call_key(args, kwargs, state, names, options.static_argnames,
+                     options.static_argnums)
+    padding, reason = BucketRule(options.buckets, options.bucket_args).padding(
+        names, args, kwargs, keyed.tensors, keyed.addressed)
+    if padding is None:
+        raise ValueError(f"{name}.capture(): the example call cannot be bucketed: {reason}.")
+    examples = []
+    for size in reversed(options.buckets or ()):
+        resized = resized_examples(keyed.tensors, padding, size)
+        leaves, rebuild = flatten_arguments((args, kwargs))
+        index = iter(range(len(keyed.tensors)))
+        resized_args, resized_kwargs = rebuild([resized.get(next(index), leaf)
+                                                if isinstance(leaf, Tensor) else leaf
+                                                for leaf in leaves])
+        examples.append((resized_args, resized_kwargs,
+                         dataclasses.replace(padding, rows=size, bucket=size)))
+    return examples
