@@ -1,0 +1,235 @@
+"""Never a wrong result, round 3 (issue 21): each case here gave a wrong result without a word.
+Each test runs on the CPU emulation and on a GPU (the ``device`` fixture), and checks the
+values against eager execution and what the engine did (graphed, replayed, eager).
+
+Cases the engine does not handle yet are marked ``xfail(strict=True)`` with their cause: they
+must fail until they are fixed, and then their mark goes.
+"""
+import collections
+import copy
+import dataclasses
+import math
+import types
+
+import pytest
+import torch
+
+import autograph
+from conftest import states
+
+
+# ---- item 4: outputs of every kind are new objects on every call, as eagerly ----
+
+class Slotted:
+    __slots__ = ("v",)
+
+    def __init__(self, v):
+        self.v = v
+
+
+class SlottedWithDict:
+    __slots__ = ("v", "__dict__")
+
+    def __init__(self, v):
+        self.v = v
+        self.w = v + 1
+
+
+class TupleSubclass(tuple):
+    pass
+
+
+class ListSubclass(list):
+    pass
+
+
+class DictSubclass(dict):
+    pass
+
+
+Named = collections.namedtuple("Named", "v")
+
+
+@dataclasses.dataclass
+class WithExtra:
+    v: torch.Tensor
+
+    def __post_init__(self):
+        self.w = self.v + 1  # not a field: a walk of the fields misses it
+
+
+def _tensors_of(out):
+    """Every tensor the output holds, found by hand for each kind."""
+    if isinstance(out, dict):
+        return list(out.values())
+    if isinstance(out, (tuple, list)):
+        return list(out)
+    found = [out.v]
+    if hasattr(out, "w"):
+        found.append(out.w)
+    return found
+
+
+OUTPUT_KINDS = {
+    "slots": Slotted,
+    "slots and __dict__": SlottedWithDict,
+    "tuple subclass": lambda v: TupleSubclass((v, v + 1)),
+    "list subclass": lambda v: ListSubclass([v, v + 1]),
+    "dict subclass": lambda v: DictSubclass(v=v, w=v + 1),
+    "namedtuple": Named,
+    "dataclass with an attribute beyond its fields": WithExtra,
+    "namespace": lambda v: types.SimpleNamespace(v=v, w=v + 1),
+}
+
+
+@pytest.mark.parametrize("kind", list(OUTPUT_KINDS))
+def test_every_output_object_is_new_and_holds_its_own_values(device, kind):
+    make = OUTPUT_KINDS[kind]
+
+    @autograph.graphed
+    def f(x):
+        return make(x * 2)
+
+    held = [f(torch.full((3,), float(i), device=device)) for i in range(5)]
+    assert states(f) == [("graphed", 5, 1, 4)]
+    assert len({id(h) for h in held}) == 5
+    for i, out in enumerate(held):
+        assert type(out) is type(make(torch.zeros(3)))
+        expected = _tensors_of(make(torch.full((3,), 2.0 * i, device=device)))
+        actual = _tensors_of(out)
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert torch.equal(a, e), (kind, i)
+
+
+class Cyclic:
+    def __init__(self, v):
+        self.v = v
+        self.me = self
+
+
+def test_an_output_object_that_holds_itself_is_returned_without_an_endless_walk(device):
+    f = autograph.graphed(lambda x: Cyclic(x * 2))
+    for i in range(3):
+        out = f(torch.full((3,), float(i), device=device))
+    assert states(f) == [("graphed", 3, 1, 2)]
+    assert isinstance(out, Cyclic)
+
+
+def test_verify_compares_what_a_slotted_output_holds(device):
+    scale = [2.0]
+
+    @autograph.graphed(verify=1)
+    def f(x):
+        return Slotted(x * scale[0])  # a Python float: frozen at capture
+
+    x = torch.ones(3, device=device)
+    f(x)
+    f(x)  # captured
+    scale[0] = 3.0
+    out = f(x)  # verified: the replay still multiplies by 2
+    assert torch.equal(out.v, torch.full((3,), 3.0, device=device))
+    assert autograph.stats(f)[0].state == "eager"
+    assert "out.v" in autograph.stats(f)[0].fallback_reason
+
+
+# ---- item 6: default parameter values are read by address ----
+
+def test_a_default_tensor_gets_its_grad_when_cleared_to_none(device):
+    weight = torch.ones(4, device=device, requires_grad=True)
+
+    @autograph.graphed
+    def step(x, w=weight):
+        (w * x).sum().backward()
+
+    for i in range(4):
+        weight.grad = None
+        step(torch.full((4,), float(i + 1), device=device))
+        assert weight.grad is not None and torch.equal(
+            weight.grad, torch.full((4,), float(i + 1), device=device)), i
+    assert states(step)[0][0] == "graphed" and states(step)[0][3] >= 2
+
+
+def test_a_keyword_only_default_holding_tensors_is_read_by_address(device):
+    holder = types.SimpleNamespace(weight=torch.ones(4, device=device, requires_grad=True))
+
+    @autograph.graphed
+    def step(x, *, params=holder):
+        (params.weight * x).sum().backward()
+
+    for i in range(4):
+        holder.weight.grad = None
+        step(torch.full((4,), float(i + 1), device=device))
+        assert holder.weight.grad is not None and torch.equal(
+            holder.weight.grad, torch.full((4,), float(i + 1), device=device)), i
+    assert states(step)[0][0] == "graphed" and states(step)[0][3] >= 2
+
+
+def test_pytorch_grad_scaler_graph_pattern_with_weight_and_scaler_as_defaults(device):
+    # PyTorch's test_graph_grad_scaling, as a graphed function whose state are defaults.
+    weight = torch.ones(100, device=device, requires_grad=True)
+    scaler = torch.amp.GradScaler(device=device, init_scale=4.0)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+
+    @autograph.graphed
+    def fwd_bwd(inp, weight=weight, scaler=scaler):
+        loss = (weight.half() * inp).sum()
+        scaler.scale(loss).backward()
+
+    expected = [(4, 5 * 4), (4, math.inf), (2, 5 * 2), (2, math.inf), (1, 5), (1, 5)]
+    for data, (scale, grad) in zip([5, 20000, 5, 40000, 5, 5], expected):
+        optimizer.zero_grad(set_to_none=True)
+        fwd_bwd(torch.full((100,), float(data), device=device))
+        assert scaler._scale.item() == scale
+        assert weight.grad is not None and torch.equal(
+            weight.grad, torch.full_like(weight, grad)), (data, weight.grad)
+        scaler.step(optimizer)
+        scaler.update()
+    assert states(fwd_bwd) == [("graphed", 6, 1, 5)]
+
+
+# ---- item 7: scalars that compare equal but compute differently get their own keys ----
+
+def _numpy():
+    return pytest.importorskip("numpy")
+
+
+SIGNED_ZEROS = {
+    "float": lambda: (0.0, -0.0),
+    "numpy float64": lambda: (_numpy().float64(0.0), _numpy().float64(-0.0)),
+    "numpy float32": lambda: (_numpy().float32(0.0), _numpy().float32(-0.0)),
+    "numpy float16": lambda: (_numpy().float16(0.0), _numpy().float16(-0.0)),
+    "complex": lambda: (complex(0.0, 0.0), complex(0.0, -0.0)),
+}
+
+
+@pytest.mark.parametrize("kind", list(SIGNED_ZEROS))
+def test_signed_zeros_get_their_own_keys(device, kind):
+    positive, negative = SIGNED_ZEROS[kind]()
+    is_complex = isinstance(positive, complex)
+
+    @autograph.graphed
+    def f(x, c):
+        return (x / c.imag) if is_complex else (x / c)
+
+    x = torch.ones(2, device=device)
+    for _ in range(3):
+        assert torch.equal(f(x, positive), torch.full((2,), math.inf, device=device))
+    for _ in range(3):
+        assert torch.equal(f(x, negative), torch.full((2,), -math.inf, device=device))
+    assert [s[0] for s in states(f)] == ["graphed", "graphed"]
+
+
+@pytest.mark.parametrize("kind", ["float", "numpy float32", "complex"])
+def test_a_nan_scalar_key_repeats_and_is_graphed(device, kind):
+    nan = {"float": lambda: float("nan"), "numpy float32": lambda: _numpy().float32("nan"),
+           "complex": lambda: complex(float("nan"), 0.0)}[kind]
+
+    @autograph.graphed
+    def f(x, c):
+        return x + abs(c)
+
+    x = torch.ones(2, device=device)
+    for _ in range(3):
+        assert torch.isnan(f(x, nan())).all()
+    assert states(f) == [("graphed", 3, 1, 2)]
