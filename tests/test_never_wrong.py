@@ -233,3 +233,48 @@ def test_a_nan_scalar_key_repeats_and_is_graphed(device, kind):
     for _ in range(3):
         assert torch.isnan(f(x, nan())).all()
     assert states(f) == [("graphed", 3, 1, 2)]
+
+
+# ---- item 12: the user's exceptions are the user's, whatever they say ----
+
+class UserError(Exception):
+    pass
+
+
+def _raise_plain(message):
+    raise UserError(message)
+
+
+def _raise_assert(message):
+    assert False, message
+
+
+def _raise_again(message):
+    try:
+        raise UserError(message)
+    except UserError:
+        raise
+
+
+@pytest.mark.parametrize("how", [_raise_plain, _raise_assert, _raise_again])
+@pytest.mark.parametrize("message", [
+    "failed during graph capture", "CUDA generator not in capture mode",
+    "operation not permitted when stream is capturing", "CUDA error: an illegal address"])
+def test_a_user_exception_that_names_capture_propagates_once(device, how, message):
+    calls = []
+
+    @autograph.graphed
+    def f(x):
+        calls.append(1)
+        if len(calls) == 2:  # the capture call
+            how(message)
+        return x * 2
+
+    x = torch.ones(2, device=device)
+    f(x)
+    with pytest.raises((UserError, AssertionError), match=message.split(":")[0]):
+        f(x)
+    assert len(calls) == 2  # it ran once, and was not run again to re-raise
+    for _ in range(3):
+        assert torch.equal(f(x), torch.full((2,), 2.0, device=device))
+    assert states(f)[0][0] == "graphed" and states(f)[0][3] >= 2
