@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, overl
 import torch
 import wrapt
 
-from ._config import Options, check_option_names
+from ._config import Options, check_option_names, check_static_arguments
 from ._engine import Engine, _is_compiling
 from ._stats import KeyStats
 
@@ -182,8 +182,19 @@ def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.
     else:
         forward = module.forward  # what nn.Module.__call__ would run on this instance
     # An instance attribute: nn.Module.__call__ finds it first; the module stays itself.
+    check_static_arguments(Options(**options), forward_signature(module),
+                           f"{type(module).__name__}.forward", bound=False)
     module.forward = GraphedForward(module, forward, options)
     return module
+
+
+def _binds_first(fn: Any) -> bool:
+    """Whether a graphed function's first parameter will be bound (``self``, ``cls``): a
+    classmethod's is, and so is a function defined in a class body (``Model.step``)."""
+    if isinstance(fn, (staticmethod, classmethod)):
+        return isinstance(fn, classmethod)
+    scope = getattr(fn, "__qualname__", "").split(".")[:-1]
+    return bool(scope) and scope[-1] != "<locals>"
 
 
 def _refuse_generators(fn: Callable) -> None:
@@ -246,6 +257,9 @@ def _graph(fn: Any, options: Dict[str, Any]) -> Any:
         raise TypeError(f"autograph.graphed expects a function, a method or an nn.Module, "
                         f"not {type(fn).__name__} ({fn!r}).")
     _refuse_generators(fn)
+    function = getattr(fn, "__func__", fn)
+    check_static_arguments(Options(**options), function,
+                           getattr(function, "__qualname__", repr(fn)), bound=_binds_first(fn))
     if inspect.isfunction(fn):
         return _GraphedPlainFunction(fn, options)
     return GraphedFunction(fn, options)

@@ -278,3 +278,59 @@ def test_a_user_exception_that_names_capture_propagates_once(device, how, messag
     for _ in range(3):
         assert torch.equal(f(x), torch.full((2,), 2.0, device=device))
     assert states(f)[0][0] == "graphed" and states(f)[0][3] >= 2
+
+
+# ---- item 13: static_argnames and static_argnums name parameters that exist ----
+
+def test_a_misspelled_static_argname_is_refused_at_decoration():
+    with pytest.raises(TypeError, match=r"step has no parameter 'cach'; its parameters are "
+                                        r"\(x, cache\)"):
+        @autograph.graphed(static_argnames=["cach"])
+        def step(x, cache):
+            return x
+
+
+def test_an_out_of_range_static_argnum_is_refused_at_decoration():
+    with pytest.raises(TypeError, match=r"takes 2 positional argument\(s\) \(x, cache\), so "
+                                        r"position\(s\) 2 do not exist"):
+        @autograph.graphed(static_argnums=[2])
+        def step(x, cache):
+            return x
+
+
+def test_static_arguments_of_a_method_are_counted_without_self():
+    with pytest.raises(TypeError, match=r"position\(s\) 1 do not exist. Count from 0, "
+                                        r"without self"):
+        class Model:
+            @autograph.graphed(static_argnums=[1])
+            def step(self, x):
+                return x
+    with pytest.raises(TypeError, match=r"no parameter 'self'"):
+        class Other:
+            @autograph.graphed(static_argnames=["self"])
+            def step(self, x):
+                return x
+
+
+def test_static_arguments_of_a_module_are_checked_against_its_forward():
+    with pytest.raises(TypeError, match=r"Linear.forward has no parameter 'inputs'; its "
+                                        r"parameters are \(input: torch.Tensor\)"):
+        autograph.graphed(torch.nn.Linear(2, 2), static_argnames=["inputs"])
+    with pytest.raises(TypeError, match=r"position\(s\) 1 do not exist"):
+        autograph.graphed(torch.nn.Linear(2, 2), static_argnums=[1])
+
+
+def test_static_arguments_that_exist_are_accepted(device):
+    @autograph.graphed(static_argnames=["anything"])
+    def takes_keywords(x, **options):
+        return x * 2
+
+    @autograph.graphed(static_argnums=[3], static_argnames=["cache", "scale"])
+    def takes_varargs(x, cache, *rest, scale=None):
+        return x + cache
+
+    x = torch.ones(2, device=device)
+    for _ in range(3):
+        assert torch.equal(takes_keywords(x, anything=x), x * 2)
+        assert torch.equal(takes_varargs(x, x), x * 2)
+    assert states(takes_keywords)[0][0] == states(takes_varargs)[0][0] == "graphed"
