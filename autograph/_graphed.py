@@ -13,6 +13,7 @@ class's method, a forward set on the instance, a compiled module's forward).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import threading
@@ -63,6 +64,18 @@ class GraphedFunction(wrapt.FunctionWrapper):
     def reset(self) -> None:
         """Drop this function's graphs and give their memory back; later calls start over."""
         self._self_engine.reset()
+
+    def __copy__(self) -> "GraphedFunction":
+        """The same function graphed anew, with the same options and no graphs.
+
+        >>> step_copy = copy.deepcopy(step)       # its first calls warm up and capture anew
+
+        Graphs are never shared or copied: a copy (``copy.copy`` or ``copy.deepcopy``, of the
+        function or of what holds it) captures its own, and the original keeps its own."""
+        return type(self)(self.__wrapped__, dict(self._self_engine.explicit))
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphedFunction":
+        return self.__copy__()  # a function is copied as itself, as copy.deepcopy does
 
 
 class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
@@ -172,6 +185,23 @@ class GraphedForward:
     def reset(self) -> None:
         """Drop this module's graphs and give their memory back."""
         self._self_engine.reset()
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphedForward":
+        """The forward of a module's deep copy (an EMA model), graphed anew: same options,
+        no graphs; its first calls warm up and capture on the copy's own parameters.
+
+        >>> ema = copy.deepcopy(model)            # model = autograph.graphed(model)
+        """
+        module = self._self_module()
+        if module is None:
+            raise ReferenceError(f"{self._self_engine.name}: its module no longer exists")
+        copied = memo.get(id(module))
+        if copied is None:  # this forward copied alone: copy its module, which holds it
+            copied = copy.deepcopy(module, memo)
+            return memo.get(id(self)) or copied.__dict__["forward"]
+        forward = self._self_function.__get__(copied) if self._self_bound else \
+            copy.deepcopy(self._self_function, memo)
+        return GraphedForward(copied, forward, dict(self._self_engine.explicit))
 
 
 def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.Module:

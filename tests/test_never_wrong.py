@@ -334,3 +334,66 @@ def test_static_arguments_that_exist_are_accepted(device):
         assert torch.equal(takes_keywords(x, anything=x), x * 2)
         assert torch.equal(takes_varargs(x, x), x * 2)
     assert states(takes_keywords)[0][0] == states(takes_varargs)[0][0] == "graphed"
+
+
+# ---- item 10: copy.deepcopy of graphed things: independent, graphed anew ----
+
+class WithGraphedMethod(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    @autograph.graphed
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _graphed_module():
+    return autograph.graphed(torch.nn.Linear(3, 2))
+
+
+def _holder_of_a_graphed_module():
+    return torch.nn.Sequential(autograph.graphed(torch.nn.Linear(3, 2)))
+
+
+def _graphed_part(model):
+    """What stats() reads for each kind: the graphed module itself, or its graphed child."""
+    return model[0] if isinstance(model, torch.nn.Sequential) else model
+
+
+@pytest.mark.parametrize("make", [_graphed_module, _holder_of_a_graphed_module,
+                                  WithGraphedMethod])
+def test_a_deep_copy_of_a_graphed_model_is_independent_and_captures_anew(device, make):
+    model = make().to(device)
+    x = torch.ones(3, device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        ema = copy.deepcopy(model)
+        for p in ema.parameters():
+            p.mul_(0.5)  # the copy's own parameters, not the original's
+        for _ in range(3):
+            assert torch.allclose(ema(x), _eager(ema, x))
+            assert torch.allclose(model(x), _eager(model, x))
+    assert states(_graphed_part(ema)) == [("graphed", 3, 1, 2)]
+    assert states(_graphed_part(model)) == [("graphed", 6, 1, 5)]
+
+
+def _eager(model, x):
+    with autograph.region(enabled=False):
+        return model(x)
+
+
+def test_a_deep_copy_of_a_graphed_function_has_no_graphs(device):
+    @autograph.graphed(warmup=2)
+    def f(x):
+        return x * 2
+
+    x = torch.ones(2, device=device)
+    for _ in range(3):
+        f(x)
+    g = copy.deepcopy(f)
+    for _ in range(3):
+        assert torch.equal(g(x), x * 2)
+    assert states(g) == [("graphed", 3, 2, 1)]
+    assert states(f) == [("graphed", 3, 2, 1)]
