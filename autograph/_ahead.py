@@ -20,7 +20,8 @@ from . import _config
 from ._buckets import BucketRule, Padding, bucket_key, resized_examples
 from ._config import Options, logger
 from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
-from ._keys import call_key, flatten_arguments
+from ._keys import call_key
+from ._outputs import flatten_arguments
 from ._progress import progress
 from ._scope import current_region, nested_calls
 from ._stats import KeyStats

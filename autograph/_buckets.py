@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._keys import call_key, flatten_arguments
+from ._keys import call_key
+from ._outputs import flatten_arguments
 
 Tensor = torch.Tensor
 

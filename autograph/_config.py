@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import os
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -195,3 +196,43 @@ def check_option_names(options: Mapping[str, object], where: str) -> None:
     if unknown:
         raise TypeError(f"{where} got unknown option(s) {unknown}; "
                         f"the options are {sorted(known)}.")
+
+
+def check_static_arguments(options: Options, function: Callable, name: str,
+                           bound: bool) -> None:
+    """Refuse ``static_argnames`` that name no parameter of ``function`` and
+    ``static_argnums`` past its last positional parameter (``bound``: its first parameter,
+    ``self`` or ``cls``, is not counted). A ``**kwargs`` function takes any name, a
+    ``*args`` function any position.
+
+    >>> check_static_arguments(Options(static_argnames=("cach",)), step, "step", False)
+    TypeError: autograph.graphed(static_argnames=('cach',)): step has no parameter 'cach'; ...
+    """
+    if not options.by_address:
+        return
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        return
+    kinds = {p.kind for p in parameters}
+    named = [p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if bound and named and named[0].kind is not inspect.Parameter.KEYWORD_ONLY:
+        named = named[1:]
+    positional = [p.name for p in named
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    listed = ", ".join(str(p) for p in named) or "none"
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        unknown = [n for n in options.static_argnames if n not in {p.name for p in named}]
+        if unknown:
+            raise TypeError(
+                f"autograph.graphed(static_argnames={options.static_argnames!r}): {name} has "
+                f"no parameter {', '.join(map(repr, unknown))}; its parameters are ({listed}). "
+                f"Name the parameters whose tensors are used by address.")
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        beyond = [i for i in options.static_argnums if i >= len(positional)]
+        if beyond:
+            raise TypeError(
+                f"autograph.graphed(static_argnums={options.static_argnums!r}): {name} takes "
+                f"{len(positional)} positional argument(s) ({', '.join(positional) or 'none'}),"
+                f" so position(s) {', '.join(map(str, beyond))} do not exist. Count from 0"
+                f"{', without self' if bound else ''}.")

@@ -13,6 +13,7 @@ class's method, a forward set on the instance, a compiled module's forward).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 import threading
@@ -23,7 +24,7 @@ import torch
 import wrapt
 
 from ._ahead import capture_ahead
-from ._config import Options, check_option_names
+from ._config import Options, check_option_names, check_static_arguments
 from ._engine import Engine, _is_compiling
 from ._stats import KeyStats
 
@@ -64,6 +65,18 @@ class GraphedFunction(wrapt.FunctionWrapper):
     def reset(self) -> None:
         """Drop this function's graphs and give their memory back; later calls start over."""
         self._self_engine.reset()
+
+    def __copy__(self) -> "GraphedFunction":
+        """The same function graphed anew, with the same options and no graphs.
+
+        >>> step_copy = copy.deepcopy(step)       # its first calls warm up and capture anew
+
+        Graphs are never shared or copied: a copy (``copy.copy`` or ``copy.deepcopy``, of the
+        function or of what holds it) captures its own, and the original keeps its own."""
+        return type(self)(self.__wrapped__, dict(self._self_engine.explicit))
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphedFunction":
+        return self.__copy__()  # a function is copied as itself, as copy.deepcopy does
 
 
 class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
@@ -174,6 +187,23 @@ class GraphedForward:
         """Drop this module's graphs and give their memory back."""
         self._self_engine.reset()
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphedForward":
+        """The forward of a module's deep copy (an EMA model), graphed anew: same options,
+        no graphs; its first calls warm up and capture on the copy's own parameters.
+
+        >>> ema = copy.deepcopy(model)            # model = autograph.graphed(model)
+        """
+        module = self._self_module()
+        if module is None:
+            raise ReferenceError(f"{self._self_engine.name}: its module no longer exists")
+        copied = memo.get(id(module))
+        if copied is None:  # this forward copied alone: copy its module, which holds it
+            copied = copy.deepcopy(module, memo)
+            return memo.get(id(self)) or copied.__dict__["forward"]
+        forward = self._self_function.__get__(copied) if self._self_bound else \
+            copy.deepcopy(self._self_function, memo)
+        return GraphedForward(copied, forward, dict(self._self_engine.explicit))
+
 
 def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.Module:
     existing = module.__dict__.get("forward")
@@ -183,8 +213,19 @@ def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.
     else:
         forward = module.forward  # what nn.Module.__call__ would run on this instance
     # An instance attribute: nn.Module.__call__ finds it first; the module stays itself.
+    check_static_arguments(Options(**options), forward_signature(module),
+                           f"{type(module).__name__}.forward", bound=False)
     module.forward = GraphedForward(module, forward, options)
     return module
+
+
+def _binds_first(fn: Any) -> bool:
+    """Whether a graphed function's first parameter will be bound (``self``, ``cls``): a
+    classmethod's is, and so is a function defined in a class body (``Model.step``)."""
+    if isinstance(fn, (staticmethod, classmethod)):
+        return isinstance(fn, classmethod)
+    scope = getattr(fn, "__qualname__", "").split(".")[:-1]
+    return bool(scope) and scope[-1] != "<locals>"
 
 
 def _refuse_generators(fn: Callable) -> None:
@@ -247,6 +288,9 @@ def _graph(fn: Any, options: Dict[str, Any]) -> Any:
         raise TypeError(f"autograph.graphed expects a function, a method or an nn.Module, "
                         f"not {type(fn).__name__} ({fn!r}).")
     _refuse_generators(fn)
+    function = getattr(fn, "__func__", fn)
+    check_static_arguments(Options(**options), function,
+                           getattr(function, "__qualname__", repr(fn)), bound=_binds_first(fn))
     if inspect.isfunction(fn):
         return _GraphedPlainFunction(fn, options)
     return GraphedFunction(fn, options)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
 import functools
 import linecache
 import operator
@@ -377,10 +378,43 @@ def _named_cause(text: str, source: str) -> Optional[Tuple[str, str]]:
     return None
 
 
+_RAISES = {dis.opmap[name] for name in ("RAISE_VARARGS", "RERAISE") if name in dis.opmap}
+
+
+def raised_by_user(error: BaseException) -> bool:
+    """Whether a ``raise`` statement in the user's code raised ``error``: the innermost frame
+    of its traceback is in a file outside torch and autograph, stopped at a raise.
+
+    >>> def check(x):
+    ...     raise ValueError("no graph capture here")
+    >>> raised_by_user(error_of(check))      # a C function's error stops at a call instead
+    True
+    """
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if not is_user_file(code.co_filename):
+        return False
+    return any(instruction.offset == tb.tb_lasti and instruction.opcode in _RAISES
+               for instruction in dis.get_instructions(code))
+
+
 def classify_capture_error(error: BaseException) -> Optional[Finding]:
-    """A finding when ``error`` comes from capturing, or None for the user's own error."""
+    """A finding when ``error`` comes from capturing, or None for the user's own error.
+
+    Told apart by type and origin, not by words: the guard's ``GuardError``; an error the
+    user's own ``raise`` made is the user's (whatever its message says) unless it was raised
+    while handling a capture error; anything else (torch's C++ and Python, CUDA) is a capture
+    error when its message or type says so.
+    """
     if isinstance(error, GuardError):
         return error.finding
+    if raised_by_user(error):
+        cause = error.__cause__ or error.__context__
+        return None if cause is None or cause is error else classify_capture_error(cause)
     text = str(error)
     location, source = location_in_traceback(error.__traceback__)
     named = _named_cause(text, source)

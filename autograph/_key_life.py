@@ -25,7 +25,7 @@ from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
 from ._guard import UnsafeOpDetector
-from ._keys import flatten_output
+from ._outputs import flatten_output
 from ._profile import profile_range, torch_profiler
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ._reads import CallWatch, roots_of, shares_written_memory

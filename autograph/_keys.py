@@ -13,9 +13,8 @@ keyed by identity: the key holds their ``id``, and the caller holds them weakly.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import enum
+import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -105,8 +104,8 @@ class Value:
 
 @dataclasses.dataclass(frozen=True)
 class FloatBits:
-    """A float by its bits: ``0.0`` and ``-0.0`` differ, and NaN has one spelling (NaN != NaN
-    as a dict key)."""
+    """A float or complex scalar by its bits: ``0.0`` and ``-0.0`` differ, and NaN has one
+    spelling (NaN != NaN as a dict key)."""
 
     kind: type
     bits: Any
@@ -229,9 +228,23 @@ def _child_path(path: str, kind: Any, context: Any, index: int) -> str:
 
 
 def _leaf_key(obj: Any) -> Any:
-    if type(obj) is float:
-        return FloatBits(float, obj.hex())
-    return Value(type(obj), obj)
+    """A scalar's key, equal only for values that compute alike.
+
+    >>> _leaf_key(-0.0) == _leaf_key(0.0), _leaf_key(complex(0, -0.0)) == _leaf_key(0j)
+    (False, False)
+    """
+    kind = type(obj)
+    # hex() tells 0.0 from -0.0 and gives NaN one spelling (NaN != NaN as a dict key);
+    # numpy's float64 and complex128 are Python floats and complexes.
+    if kind is float or isinstance(obj, float):
+        return FloatBits(kind, obj.hex())
+    if isinstance(obj, complex):
+        return FloatBits(kind, (float(obj.real).hex(), float(obj.imag).hex()))
+    numpy = sys.modules.get("numpy")  # numpy stays optional: its scalars exist only if loaded
+    if numpy is not None and isinstance(obj, numpy.inexact):
+        # float16, float32, longdouble, complex64: their bytes tell -0.0 and NaN apart too.
+        return FloatBits(kind, obj.tobytes())
+    return Value(kind, obj)
 
 
 class _Keying:
@@ -271,92 +284,6 @@ class _Keying:
             self.identities.append(obj)
             return Identity(type(obj), id(obj))
         return _leaf_key(obj)
-
-
-# ---- outputs: flatten once at capture, rebuild on every call ----
-
-# Values that are safe to hand out again on every call: nothing can change them.
-_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device,
-              torch.layout, torch.memory_format, torch.Size, enum.Enum, frozenset, range,
-              type)
-
-
-def flatten_output(obj: Any, given: Sequence[Any] = ()
-                   ) -> Tuple[list, Callable[[Sequence[Any]], Any]]:
-    """The leaves of a returned pytree and a function that rebuilds it from new leaves.
-
-    Containers are new on every rebuild, as eager execution would return them: tuples,
-    lists, dicts, pytree nodes, dataclasses, and plain objects (a class instance, a
-    ``SimpleNamespace``), whose attributes are walked like a dataclass's fields. Objects
-    the call was ``given`` (a cache passed in and returned) come back as themselves.
-    """
-    leaves: list = []
-    rebuild = _output_builder(obj, leaves, objects={id(o) for o in given})
-    return leaves, rebuild
-
-
-def flatten_arguments(obj: Any) -> Tuple[list, Callable[[Sequence[Any]], Any]]:
-    """Like ``flatten_output``, with the leaves the key has: objects other than containers
-    (a cache keyed by identity) are leaves, passed on as themselves."""
-    leaves: list = []
-    rebuild = _output_builder(obj, leaves, objects=None)
-    return leaves, rebuild
-
-
-def _object_children(obj: Any) -> Optional[Tuple[list, tuple]]:
-    attributes = getattr(obj, "__dict__", None)
-    if not isinstance(attributes, dict):
-        return None
-    names = tuple(attributes)
-    return [attributes[n] for n in names], names
-
-
-def _output_builder(obj: Any, leaves: list, objects: Optional[set]
-                    ) -> Callable[[Sequence[Any]], Any]:
-    """``objects``: None to keep every plain object as a leaf, else the ids of those to keep."""
-    node = _children(obj)
-    # Modules, functions and classes are returned as themselves: eager returns the object
-    # the function holds, not a new one.
-    if node is None and (objects is None or id(obj) in objects or callable(obj)
-                         or isinstance(obj, (Tensor, torch.nn.Module, _IMMUTABLE))):
-        index = len(leaves)
-        leaves.append(obj)
-        return lambda values: values[index]
-    if node is None:
-        plain = _object_children(obj)
-        if plain is None:
-            template = obj
-            return lambda values: copy.copy(template)  # a new object per call, as eagerly
-        children, names = plain
-        node = (type(obj), children, names)
-        rebuild_fields = True
-    else:
-        rebuild_fields = False
-    kind, children, context = node
-    builders = [_output_builder(c, leaves, objects) for c in children]
-
-    def rebuilt_children(values: Sequence[Any]) -> list:
-        return [b(values) for b in builders]
-
-    if not rebuild_fields:
-        if kind is tuple or kind is list:
-            return lambda values: kind(rebuilt_children(values))
-        if kind is dict:
-            return lambda values: dict(zip(context, rebuilt_children(values)))
-        node_def = _pytree.SUPPORTED_NODES.get(kind)
-        if node_def is not None:
-            return lambda values: node_def.unflatten_fn(rebuilt_children(values), context)
-        if isinstance(obj, tuple):
-            return lambda values: kind(*rebuilt_children(values))
-    template = copy.copy(obj)
-
-    def rebuild_fields_of(values: Sequence[Any]) -> Any:
-        new = copy.copy(template)
-        for name, value in zip(context, rebuilt_children(values)):
-            object.__setattr__(new, name, value)
-        return new
-
-    return rebuild_fields_of
 
 
 # ---- readable keys for messages and stats ----

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from ._config import logger
-from ._keys import flatten_arguments, flatten_output
+from ._outputs import flatten_arguments, flatten_output
 from ._reads import storage_ptr
 
 Tensor = torch.Tensor

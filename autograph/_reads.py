@@ -191,8 +191,13 @@ class Survey:
 
 def roots_of(fn: Any, instance: Any, names: Sequence[str], args: tuple, kwargs: dict,
              instance_label: str = "self") -> List[Tuple[str, Any]]:
-    """Where the tensors a function reads may come from: its instance, its non-tensor
-    arguments, its closure and the globals its code names."""
+    """Where the tensors a function reads may come from: its instance, its arguments, its
+    default parameter values, its closure and the globals its code names.
+
+    >>> def fwd_bwd(inp, weight=weight, *, scaler=scaler): ...
+    >>> [name for name, _ in roots_of(fwd_bwd, None, ["inp"], (x,), {})]
+    ['inp', 'weight', 'scaler']
+    """
     roots: List[Tuple[str, Any]] = []
     if instance is not None:
         roots.append((instance_label, instance))
@@ -205,6 +210,12 @@ def roots_of(fn: Any, instance: Any, names: Sequence[str], args: tuple, kwargs: 
         roots.append((instance_label, owner))
     code = getattr(function, "__code__", None)
     if code is not None:
+        # A default value is bound at definition and read by address like a global: a
+        # ``weight=weight`` parameter's .grad is set by the graph's backward.
+        defaults = getattr(function, "__defaults__", None) or ()
+        positional = code.co_varnames[:code.co_argcount]
+        roots.extend(zip(positional[len(positional) - len(defaults):], defaults))
+        roots.extend((getattr(function, "__kwdefaults__", None) or {}).items())
         for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
             try:
                 roots.append((name, cell.cell_contents))

@@ -22,7 +22,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
-from ._keys import _IMMUTABLE, _children, describe_tensor, flatten_arguments
+from ._keys import describe_tensor
+from ._outputs import flatten_arguments, output_node
 from ._profile import profile_range
 from ._config import logger
 from ._reads import Survey, written_tensors
@@ -122,27 +123,11 @@ def leaves(obj: Any, given: Set[int], path: str = "out", depth: int = 0
     >>> list(leaves((x, {"logits": y}), set()))
     [('out[0]', x), ("out[1]['logits']", y)]
     """
-    if isinstance(obj, Tensor) or id(obj) in given or depth > 32:
+    node = None if depth > 32 else output_node(obj, given)
+    if node is None:
         yield path, obj
         return
-    node = _children(obj)
-    if node is None:
-        attributes = getattr(obj, "__dict__", None)
-        if callable(obj) or isinstance(obj, (torch.nn.Module, _IMMUTABLE)) or not isinstance(
-                attributes, dict):
-            yield path, obj
-            return
-        node = (type(obj), list(attributes.values()), tuple(attributes))
-    kind, children, context = node
-    if kind is dict:
-        labels = [f"[{k!r}]" for k in context]
-    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        labels = [f".{f}" for f in obj._fields]
-    elif (isinstance(context, (list, tuple)) and len(context) == len(children)
-          and all(isinstance(c, str) for c in context)):
-        labels = [f".{c}" for c in context]  # dataclasses, HF ModelOutput, plain objects
-    else:
-        labels = [f"[{i}]" for i in range(len(children))]
+    labels, children, _ = node
     for label, child in zip(labels, children):
         yield from leaves(child, given, path + label, depth + 1)
 

@@ -6,7 +6,8 @@ import enum
 import pytest
 import torch
 
-from autograph._keys import call_key, describe_call, execution_state, flatten_output
+from autograph._keys import call_key, describe_call, execution_state
+from autograph._outputs import flatten_output
 
 
 def key(*args, **kwargs):
