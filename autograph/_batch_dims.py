@@ -189,7 +189,7 @@ class BatchShapes:
                         follows.append(d)
                     continue
                 (size, n), = seen
-                if size > 1 and n % size == 0:
+                if n % size == 0:  # at size 1 every dim: any may be the batch
                     what = "the" if n == size else f"{n // size}x the"
                     return (), (f"dim {d} of output {i} has {what} size of the only run so far "
                                 f"({n} at {size} rows): whether it follows the batch shows at "

@@ -37,6 +37,13 @@ def test_one_size_cannot_tell_a_multiple_of_the_buckets_size():
     assert decision.dims is None and "2x the size" in decision.undecided
 
 
+def test_one_run_at_size_1_decides_no_dim():
+    shapes = shapes_of([(1, [torch.empty(1, 4, 16), torch.empty(())])])
+    assert "dim 0 of output 0" in shapes.decide(rows=1, bucket=4).undecided
+    shapes.note(4, [torch.empty(4, 4, 16), torch.empty(())])
+    assert shapes.decide(rows=3, bucket=4).dims == ((0,), ())
+
+
 def test_an_unpadded_run_at_the_callers_size_is_evidence_too():
     shapes = shapes_of([(3, [torch.empty(2, 3, 5), torch.empty(4)]),
                         (4, [torch.empty(2, 4, 5), torch.empty(4)])])
