@@ -1,0 +1,252 @@
+"""Buckets that are never wrong (issue 22, SPEC 4 ``buckets=``): every run of a bucketed key
+sees the padded arguments, outputs are sliced back only where evidence shows that their dim
+follows the batch, and functions whose real rows change with the padding are caught.
+
+Each test fails on the engine of 70aa60d and is marked ``xfail(strict=True)`` until the
+wiring of ``autograph/_batch_dims.py`` lands: a test that starts passing then fails the suite,
+which says to remove its mark."""
+import pytest
+import torch
+
+import autograph
+from conftest import states
+
+
+def issue_22(what):
+    return pytest.mark.xfail(strict=True, reason=f"issue 22: {what}")
+
+
+def by_bucket(fn):
+    return sorted((r.bucket, r.state, r.calls, r.replays) for r in autograph.stats(fn))
+
+
+# ---- (a) per-bucket state passed by static_argnames sees the padded arguments ----
+
+@issue_22("warmups run at the caller's size, the graph at the bucket's")
+def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
+    seen = []
+
+    @autograph.graphed(buckets=[4, 8], static_argnames=("cache",))
+    def store(x, cache):
+        seen.append((x.shape[0], cache.shape[0]))
+        assert x.shape[0] == cache.shape[0], "per-bucket state of another size"
+        cache[:x.shape[0]] = x * 2
+        return x + 1
+
+    caches = {4: torch.zeros(4, 5, device=device), 8: torch.zeros(8, 5, device=device)}
+    for n in (3, 3, 3, 3, 6, 6, 6):
+        bucket = 4 if n <= 4 else 8
+        x = torch.randn(n, 5, device=device)
+        out = store(x, caches[bucket])
+        assert out.shape == (n, 5) and torch.equal(out, x + 1)
+        assert torch.equal(caches[bucket][:n], x * 2)
+        assert torch.equal(caches[bucket][n:], torch.zeros(bucket - n, 5, device=device))
+    assert all(rows == cache for rows, cache in seen)
+    assert sorted(set(seen)) == [(4, 4), (8, 8)]
+    assert by_bucket(store) == [(4, "graphed", 4, 3), (8, "graphed", 3, 2)]
+
+
+@issue_22("the eager calls of a bucketed key run at the caller's size")
+def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caught):
+    seen = []
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def store(x, cache):
+        seen.append(x.shape[0])
+        cache[:x.shape[0]] = x
+        if x.sum().item() > 1e9:       # a host read: this key runs eagerly
+            return x * 0
+        return x * 3
+
+    cache = torch.zeros(4, 2, device=device)
+    for _ in range(4):
+        x = torch.randn(3, 2, device=device)
+        assert torch.equal(store(x, cache), x * 3)
+        assert torch.equal(cache[:3], x)
+    assert seen == [4, 4, 4, 4]
+    row, = store.stats()
+    assert row.state == "eager" and ".item()" in row.fallback_reason
+
+
+# ---- (b) HF Llama decode with one StaticCache per bucket ----
+
+def _tiny_llama(device):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers, config, transformers.LlamaForCausalLM(config).to(device).eval()
+
+
+@issue_22("a StaticCache of the bucket's rows meets a warmup of the caller's rows")
+def test_hf_llama_decodes_with_one_static_cache_per_bucket(device):
+    transformers, config, model = _tiny_llama(device)
+    buckets, prompt_len, decode_steps, max_len = [1, 2, 4, 8], 4, 4, 16
+
+    def new_cache():
+        return transformers.StaticCache(config=config, max_cache_len=max_len)
+
+    def run(fn, ids, cache):
+        logits = [fn(ids, torch.arange(prompt_len, device=device), cache)]
+        for i in range(decode_steps):
+            token = logits[-1][:, -1:].argmax(-1)
+            logits.append(fn(token, torch.tensor([prompt_len + i], device=device), cache))
+        return logits
+
+    def decode(ids, pos, cache):
+        return model(input_ids=ids, past_key_values=cache, cache_position=pos,
+                     use_cache=True).logits
+
+    step = autograph.graphed(decode, buckets=buckets, bucket_args={"ids": 0},
+                             static_argnames=("cache",))
+    caches = {b: new_cache() for b in buckets}
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for batch in (1, 3, 5, 8):
+            ids = torch.randint(0, config.vocab_size, (batch, prompt_len),
+                                generator=generator).to(device)
+            bucket = next(b for b in buckets if b >= batch)
+            caches[bucket].reset()         # in place: graphs read it by address
+            got = run(step, ids, caches[bucket])
+            expected = run(decode, ids, new_cache())
+            for g, e in zip(got, expected):
+                assert g.shape == e.shape
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    decode_keys = {r.bucket: r for r in step.stats() if "ids: i64[" in r.key and ", 1]" in r.key}
+    assert {b: r.state for b, r in decode_keys.items()} == {1: "graphed", 4: "graphed",
+                                                           8: "graphed"}
+    assert all(r.replays >= decode_steps - 2 for r in decode_keys.values())
+
+
+# ---- (c) outputs are sliced only where their dim follows the batch ----
+
+@issue_22("outputs are sliced in dim 0 only, when it has the bucket's size")
+def test_an_output_whose_batch_is_not_in_dim_0_is_sliced_there(device):
+    @autograph.graphed(buckets=[4, 8])
+    def twice(x):
+        return torch.stack([x, x])
+
+    for n in (3, 3, 3, 3):
+        x = torch.randn(n, 5, device=device)
+        out = twice(x)
+        assert out.shape == (2, n, 5) and torch.equal(out, torch.stack([x, x]))
+    assert by_bucket(twice) == [(4, "graphed", 4, 2)]
+
+
+@issue_22("with bucket_args in dim 1, an output of the batch in its dim 0 comes back padded")
+def test_bucket_args_in_dim_1_slice_the_outputs_that_follow_it(device):
+    @autograph.graphed(buckets=[4, 8], bucket_args={"x": 1})
+    def column_sums(x):
+        acc = x * 2
+        return acc.sum(0)
+
+    for _ in range(4):
+        x = torch.randn(6, 3, device=device)
+        out = column_sums(x)
+        assert out.shape == (3,) and torch.allclose(out, (x * 2).sum(0))
+    assert by_bucket(column_sums) == [(4, "graphed", 4, 2)]
+
+
+@issue_22("a first call at the bucket's own size makes every dim of that size look batched")
+def test_an_output_that_only_equals_the_bucket_after_a_call_at_the_buckets_size(device):
+    @autograph.graphed(buckets=[4, 8])
+    def project(x, w):
+        return x @ w, w.sum(0)
+
+    w = torch.randn(5, 4, device=device)
+    for n in (4, 3, 3, 3, 3):
+        x = torch.randn(n, 5, device=device)
+        out, total = project(x, w)
+        assert out.shape == (n, 4) and torch.allclose(out, x @ w)
+        assert total.shape == (4,) and torch.allclose(total, w.sum(0))
+    row, = project.stats()
+    assert row.state == "graphed" and row.replays >= 2
+
+
+@issue_22("keys made by capture() slice every dim of the bucket's size")
+def test_keys_made_by_capture_slice_only_what_follows_the_batch(device):
+    @autograph.graphed(buckets=[4, 8])
+    def project(x, w):
+        return x @ w, w.sum(0)
+
+    w = torch.randn(5, 4, device=device)
+    project.capture(torch.randn(8, 5, device=device), w)
+    for n in (3, 7, 4, 8):
+        x = torch.randn(n, 5, device=device)
+        out, total = project(x, w)
+        assert out.shape == (n, 4) and torch.allclose(out, x @ w)
+        assert total.shape == (4,) and torch.allclose(total, w.sum(0))
+    assert by_bucket(project) == [(4, "graphed", 2, 2), (8, "graphed", 2, 2)]
+
+
+# ---- (d) functions whose real rows change with the padding ----
+
+def _eager_with_the_reason_or_right(fn):
+    """Every call was already checked against eager; here: the key ran eagerly with a reason,
+    or it replayed its graph (made right)."""
+    row, = fn.stats()
+    if row.state == "eager":
+        assert row.fallback_reason
+    else:
+        assert row.state == "graphed" and row.replays >= 2
+
+
+@issue_22("a mean over the padded batch divides by the bucket's size")
+def test_a_mean_over_the_batch_is_eager_with_the_reason_or_right(device):
+    @autograph.graphed(buckets=[4])
+    def centre(x):
+        return x - x.mean(0)
+
+    for _ in range(4):
+        x = torch.randn(3, 5, device=device)
+        torch.testing.assert_close(centre(x), x - x.mean(0))
+    assert states(centre)[0][1] == 4
+    _eager_with_the_reason_or_right(centre)
+
+
+@issue_22("batch norm's batch statistics and running statistics count the pad rows")
+def test_batch_norm_in_train_mode_is_eager_with_the_reason_or_right(device):
+    norm = torch.nn.BatchNorm1d(5).to(device).train()
+    reference = torch.nn.BatchNorm1d(5).to(device).train()
+    graphed = autograph.graphed(norm, buckets=[4])
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 5, device=device)
+            torch.testing.assert_close(graphed(x), reference(x))
+            torch.testing.assert_close(norm.running_mean, reference.running_mean)
+            torch.testing.assert_close(norm.running_var, reference.running_var)
+    assert norm.num_batches_tracked.item() == reference.num_batches_tracked.item() == 4
+    _eager_with_the_reason_or_right(graphed)
+
+
+@issue_22("a size read in Python and returned is the bucket's")
+def test_a_returned_batch_size_is_eager_with_the_reason_or_right(device):
+    @autograph.graphed(buckets=[4])
+    def with_size(x):
+        return x * 2, x.shape[0]
+
+    for _ in range(4):
+        x = torch.randn(3, 5, device=device)
+        out, size = with_size(x)
+        assert size == 3 and torch.equal(out, x * 2)
+    _eager_with_the_reason_or_right(with_size)
+
+
+# ---- (e) verify checks the capture call's own (padded) result ----
+
+@issue_22("verify=n starts checking at the replay after the capture call")
+def test_verify_checks_the_result_of_the_capture_call_of_a_bucketed_key(device, caught):
+    results = []
+
+    @autograph.graphed(buckets=[4], verify=3)
+    def centre(x):
+        return x - x.mean(0)
+
+    for _ in range(4):
+        x = torch.randn(3, 5, device=device)
+        results.append((centre(x), x - x.mean(0)))
+    for got, expected in results:
+        torch.testing.assert_close(got, expected)
+    row, = centre.stats()
+    assert row.state == "eager" and row.fallback_reason
