@@ -1,0 +1,97 @@
+"""The churn policy (autograph/_churn.py) on its own: when calls pass through, for how long,
+and what its report row says. The engine's use of it is tested in test_slower.py."""
+from types import SimpleNamespace
+
+from autograph._churn import Churn
+
+
+class Cache:
+    """A key cache as the policy sees it: entries with ``replays`` and ``graph``."""
+
+    def __init__(self, churn):
+        self.churn = churn
+        self.entries = []
+
+    def new_key(self, size, graphed=False):
+        entry = SimpleNamespace(replays=1 if graphed else 0, graph=object() if graphed else None)
+        self.entries.append(entry)
+        return self.churn.new_key(self.entries, [f"mask: i64[1, {size}] cpu"])
+
+    def pass_calls(self, n):
+        """n calls through the engine's hot-path test; how many passed through."""
+        passed = 0
+        for _ in range(n):
+            if self.churn.left > 0:
+                self.churn.left -= 1
+                passed += 1
+        return passed
+
+
+def test_calls_pass_through_after_a_window_of_new_keys_none_graphed():
+    cache = Cache(Churn("f", window=4, first=8, longest=64))
+    assert [cache.new_key(n) for n in range(4)] == [False, False, False, True]
+    assert cache.pass_calls(20) == 8
+    row = cache.churn.stats()
+    assert (row.function, row.state, row.calls, row.eager_calls, row.replays) == \
+        ("f", "eager", 8, 8, 0)
+    assert "mask: i64[1, 2] cpu became mask: i64[1, 3] cpu" in row.fallback_reason
+    assert "StaticCache" in row.fallback_reason
+
+
+def test_a_function_that_never_churned_has_no_row_and_never_passes():
+    cache = Cache(Churn("f", window=4))
+    assert [cache.new_key(n) for n in range(3)] == [False] * 3
+    assert cache.pass_calls(10) == 0 and cache.churn.stats() is None
+
+
+def test_a_graph_that_replays_between_new_keys_keeps_calls_keyed():
+    # A served model: its decode step is graphed and replays; each prefill is a new length.
+    cache = Cache(Churn("f", window=4))
+    decode = SimpleNamespace(replays=0, graph=object())
+    cache.entries.append(decode)
+    for n in range(20):
+        decode.replays += 5
+        assert not cache.new_key(n)
+    assert cache.churn.left == 0
+
+
+def test_each_look_that_meets_a_new_key_doubles_the_pass_up_to_the_longest():
+    cache = Cache(Churn("f", window=2, first=4, longest=16))
+    cache.new_key(0)
+    lengths = []
+    for n in range(1, 6):
+        assert cache.new_key(n)  # the look after each pass-through made a new key again
+        lengths.append(cache.pass_calls(100))
+    assert lengths == [4, 8, 16, 16, 16]
+    assert cache.churn.looks == 4 and cache.churn.calls_passed() == 60
+    assert "4 look(s)" in cache.churn.stats().fallback_reason
+
+
+def test_keys_that_settle_after_a_look_are_keyed_and_a_replay_starts_the_count_over():
+    cache = Cache(Churn("f", window=2, first=4, longest=16))
+    cache.new_key(0)
+    assert cache.new_key(1) and cache.pass_calls(10) == 4
+    # The look meets known keys: the policy hears nothing and calls stay keyed.
+    assert cache.pass_calls(10) == 0
+    assert "keying again since a look" in cache.churn.stats().fallback_reason
+    # One of them is captured and replays: the next new key starts a new count.
+    cache.entries[0].graph, cache.entries[0].replays = object(), 3
+    assert not cache.new_key(2)
+    assert cache.new_key(3)  # a full window again, and the first pass length again
+    assert cache.pass_calls(100) == 4
+
+
+def test_a_negative_count_left_by_racing_threads_ends_the_pass_through():
+    cache = Cache(Churn("f", window=1, first=4))
+    assert cache.new_key(0)
+    cache.churn.left = -1  # two threads both took the last pass-through call
+    assert cache.pass_calls(3) == 0
+    assert cache.churn.calls_passed() == 4
+
+
+def test_reset_forgets_everything():
+    cache = Cache(Churn("f", window=1, first=4))
+    cache.new_key(0)
+    cache.churn.reset()
+    assert cache.churn.left == 0 and cache.churn.stats() is None
+    assert cache.churn.last_change is None and cache.churn.streak == 0
