@@ -1,6 +1,7 @@
 """Graph one decode step of an HF transformers Llama with a StaticCache.
 
-    python examples/decode.py           # needs a CUDA GPU and transformers
+    python examples/decode.py     # needs a CUDA GPU and transformers:
+                                  # pip install -e ".[examples]"
 
 The model (random weights, 8 layers, hidden 512) is graphed whole: each decode step of the same
 shape replays one CUDA graph. The cache object is a keyword argument: autograph keys it by
@@ -11,14 +12,11 @@ import time
 import torch
 
 import autograph
+from _needs import needs
 
 
 def main():
-    import transformers
-
-    if not torch.cuda.is_available():
-        print("This example needs a CUDA GPU.")
-        return
+    transformers = needs(__file__, cuda=True, transformers=True)
     config = transformers.LlamaConfig(
         hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=8, vocab_size=1024, max_position_embeddings=256)

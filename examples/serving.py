@@ -1,6 +1,7 @@
 """Serve an HF BERT encoder at mixed batch sizes with buckets, captured ahead of time.
 
-    python examples/serving.py          # needs a CUDA GPU and transformers
+    python examples/serving.py    # needs a CUDA GPU and transformers:
+                                  # pip install -e ".[examples]"
 
 Six capture sizes share one memory pool; a request of any size up to 32 replays the graph of
 the smallest size that holds it, padded, its outputs sliced back.
@@ -10,14 +11,11 @@ import time
 import torch
 
 import autograph
+from _needs import needs
 
 
 def main():
-    import transformers
-
-    if not torch.cuda.is_available():
-        print("This example needs a CUDA GPU.")
-        return
+    transformers = needs(__file__, cuda=True, transformers=True)
     config = transformers.BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                                      intermediate_size=1024, vocab_size=1024)
     model = transformers.BertModel(config).cuda().eval()

@@ -1,7 +1,12 @@
 """Functions autograph runs eagerly, and the warnings that say why.
 
-    python examples/why_eager.py        # on a CUDA machine
+    python examples/why_eager.py        # needs only torch
+
+On a CUDA GPU the functions run on real CUDA graphs. Without one they run on the CPU emulation
+of CUDA graphs (autograph.testing), which runs the same engine and guard on CPU tensors, so the
+same warnings appear.
 """
+import contextlib
 import warnings
 
 import torch
@@ -28,17 +33,21 @@ def clip(x):
 
 
 def main():
-    if not torch.cuda.is_available():
-        print("This example needs a CUDA GPU: without one every call runs eagerly, silently.")
-        return
-    model = autograph.graphed(torch.nn.Linear(512, 512).cuda())
-    x = torch.randn(8, 512, device="cuda")
+    if torch.cuda.is_available():
+        device, graphs = "cuda", contextlib.nullcontext()
+    else:
+        print("No CUDA GPU here: running on the CPU emulation of CUDA graphs "
+              "(autograph.testing.emulate_graphs_on_cpu()).\n")
+        device, graphs = "cpu", autograph.testing.emulate_graphs_on_cpu()
+    model = autograph.graphed(torch.nn.Linear(512, 512).to(device))
+    x = torch.randn(8, 512, device=device)
     warnings.simplefilter("always", autograph.AutographWarning)
-    for _ in range(3):
-        normalise(x), positives(x), clip(x), model(x)
-    with torch.no_grad():
+    with graphs:
         for _ in range(3):
-            model(x)
+            normalise(x), positives(x), clip(x), model(x)
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
     autograph.report()
 
 

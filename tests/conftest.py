@@ -10,7 +10,7 @@ import autograph
 from autograph.testing import emulate_graphs_on_cpu
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                   reason="needs a CUDA GPU (run on the device machine)")
+                                   reason="needs a CUDA GPU")
 
 
 def pytest_configure(config):

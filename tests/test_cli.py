@@ -1,0 +1,81 @@
+"""The command line (python -m autograph) and the figures its bench command prints."""
+import pytest
+import torch
+
+import autograph
+from autograph import _bench
+from autograph.__main__ import main
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
+                             reason="the CPU demo runs only on a machine without CUDA")
+
+
+def test_help_is_plain_text_with_each_command_and_an_example(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "``" not in text and ":func:" not in text
+    for command in ("doctor", "bench"):
+        assert f"example: python -m autograph {command}" in text
+
+
+def test_no_command_prints_the_help(capsys):
+    assert main([]) == 0
+    assert "example: python -m autograph doctor" in capsys.readouterr().out
+
+
+def test_version_names_autograph_torch_and_python(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert f"autograph {autograph.__version__}, torch {torch.__version__}, Python" in text
+
+
+def test_doctor_starts_with_the_versions(capsys):
+    main(["doctor"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"autograph {autograph.__version__}, torch {torch.__version__}")
+
+
+def test_compare_calls_a_difference_real_only_when_every_round_agrees():
+    assert _bench.compare({"a": [10, 11, 12], "b": [13, 14, 15]}, "a", "b") == (3, True)
+    assert _bench.compare({"a": [10, 11, 12], "b": [9, 10, 11]}, "a", "b") == (-1, True)
+    assert _bench.compare({"a": [10, 11, 12], "b": [13, 9, 15]}, "a", "b") == (2, False)
+    assert _bench.compare({"a": [10], "b": [20]}, "a", "b") == (10, False)   # one round
+
+
+def two_layer_mlp(mlp=_bench.mlp, **kwargs):
+    return mlp(layers=2, **kwargs)
+
+
+@no_cuda
+def test_the_cpu_demo_says_the_calls_ran_eagerly_and_why(capsys, monkeypatch):
+    monkeypatch.setattr(_bench, "mlp", two_layer_mlp)
+    _bench.demo()
+    text = capsys.readouterr().out
+    assert "so autograph ran the MLP eagerly" in text and "CUDA is not available" in text
+    assert "rounds, fastest to slowest" in text
+
+
+@no_cuda
+@pytest.mark.parametrize("graphed_us, says", [
+    ([20.0, 21.0, 22.0], "autograph adds about 10.0 us per call"),
+    ([5.0, 6.0, 7.0], "below what this machine can measure"),        # faster: not a cost
+    ([5.0, 30.0, 7.0], "below what this machine can measure"),       # rounds disagree
+])
+def test_the_cpu_demo_calls_only_a_consistent_slowdown_autographs_cost(
+        capsys, monkeypatch, graphed_us, says):
+    timed = _bench.interleaved_us
+
+    def made_up_figures(variants, **kwargs):
+        timed(variants, calls=1, rounds=1, warmup=1)      # the calls happen, the stats fill
+        return {"eager": [10.0, 11.0, 12.0], "autograph.graphed": graphed_us}
+
+    monkeypatch.setattr(_bench, "mlp", two_layer_mlp)
+    monkeypatch.setattr(_bench, "interleaved_us", made_up_figures)
+    _bench.demo()
+    text = capsys.readouterr().out
+    assert says in text
+    assert text.count("adds about") == (1 if "adds about" in says else 0)
