@@ -318,6 +318,23 @@ def _counting_inductor_runs(runs: List[int]) -> Iterator[None]:
             cls.__call__ = original
 
 
+@contextlib.contextmanager
+def _capturing_as_cuda_says() -> Iterator[None]:
+    """``torch.cuda.is_current_stream_capturing()`` says True in this thread while it records,
+    as it does during a CUDA capture: capture-aware code (transformers skips its host reads of
+    padding masks and prompt lengths) then takes the path it takes on CUDA."""
+    original = torch.cuda.is_current_stream_capturing
+
+    def is_current_stream_capturing() -> bool:
+        return _recording.active or original()
+
+    torch.cuda.is_current_stream_capturing = is_current_stream_capturing
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = original
+
+
 class CpuGraphs:
     """The emulated backend: the interface of ``_capture.CudaGraphs``, on CPU tensors.
 
@@ -359,7 +376,8 @@ class CpuGraphs:
             inductor_runs = [0]
             _recording.active = True
             try:
-                with _counting_inductor_runs(inductor_runs), recorder:
+                with _counting_inductor_runs(inductor_runs), _capturing_as_cuda_says(), \
+                        recorder:
                     result.outputs = run()
             except BaseException as error:  # noqa: B902 - re-raised by the caller
                 result.error = error
