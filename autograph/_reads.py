@@ -18,10 +18,11 @@ elsewhere is not seen (README, Limits).
 """
 from __future__ import annotations
 
+import dis
 import functools
 import types
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -204,10 +205,10 @@ def roots_of(fn: Any, instance: Any, names: Sequence[str], args: tuple, kwargs: 
     for i, a in enumerate(args):
         roots.append((names[i] if i < len(names) else f"args[{i}]", a))
     roots.extend(kwargs.items())
-    function = getattr(fn, "__func__", fn)
     owner = getattr(fn, "__self__", None)
     if owner is not None and owner is not instance:
         roots.append((instance_label, owner))
+    function = getattr(fn, "__func__", fn)
     code = getattr(function, "__code__", None)
     if code is not None:
         # A default value is bound at definition and read by address like a global: a
@@ -216,15 +217,48 @@ def roots_of(fn: Any, instance: Any, names: Sequence[str], args: tuple, kwargs: 
         positional = code.co_varnames[:code.co_argcount]
         roots.extend(zip(positional[len(positional) - len(defaults):], defaults))
         roots.extend((getattr(function, "__kwdefaults__", None) or {}).items())
-        for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
-            try:
-                roots.append((name, cell.cell_contents))
-            except ValueError:  # an empty cell
-                pass
-        module_globals = getattr(function, "__globals__", {})
-        roots.extend((name, module_globals[name]) for name in code.co_names
-                     if name in module_globals)
+    for name, place, key in free_names(fn):
+        try:
+            roots.append((name, place[key] if isinstance(place, dict) else place.cell_contents))
+        except (KeyError, ValueError):  # a global not (yet) defined, an empty cell
+            pass
     return roots
+
+
+def free_names(fn: Any) -> Iterator[Tuple[str, Any, Any]]:
+    """``(name, place, key)`` for each name a function reads from outside: its closure cells
+    (``place`` the cell, ``key`` None) and the names its code looks up in its module's globals
+    (``place`` that dict, ``key`` the name, whether it is bound yet or not).
+
+    >>> list(free_names(lambda x: x * scale))
+    [('scale', {...the module's globals...}, 'scale')]
+    """
+    function = getattr(fn, "__func__", fn)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return
+    for name, cell in zip(code.co_freevars, getattr(function, "__closure__", None) or ()):
+        yield name, cell, None
+    module_globals = getattr(function, "__globals__", None)
+    if isinstance(module_globals, dict):
+        for name in _global_names(code):
+            yield name, module_globals, name
+
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> Tuple[str, ...]:
+    """The names ``code`` and the code nested in it (a comprehension's, a lambda's) read or
+    bind as globals, in order (``co_names`` also holds attribute names: ``self.weight`` is no
+    global ``weight``)."""
+    names = [instruction.argval for instruction in dis.get_instructions(code)
+             if instruction.opname in _GLOBAL_OPS]
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names.extend(_global_names(constant))
+    return tuple(dict.fromkeys(names))
 
 
 def _mark_invalid(graph_ref: "weakref.ref[Any]", name: str, _: Any) -> None:

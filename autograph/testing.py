@@ -30,6 +30,9 @@ What the emulation models, as a CUDA graph behaves:
 - fresh random numbers per replay: each replay draws from the random generator's current state,
   and a capture plus its first replay advance it exactly as one eager call does, so seeded runs
   match eager runs call for call.
+- capture-aware code: ``torch.cuda.is_current_stream_capturing()`` says True while a graph is
+  recorded, so code that skips host reads during a capture (transformers' padding-mask check,
+  a decoder's prompt step) takes the path it takes on CUDA.
 - module buffers written by the forward: batch norm's running statistics (and
   ``num_batches_tracked``) are updated once per replay in training mode.
 

@@ -2,8 +2,10 @@
 
 Each test captures a ``run`` closure with ``CPU.capture`` and replays the graph, checking what a
 CUDA graph would do: no effect left by the capture, every effect on every replay, fresh random
-numbers per replay, nothing kept alive that a CUDA graph would not keep.
+numbers per replay, nothing kept alive that a CUDA graph would not keep; and, through the
+engine, HF code that asks whether the current stream is capturing.
 """
+import copy
 import gc
 import weakref
 
@@ -11,9 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import autograph
 import autograph.testing
 from autograph._cpu_graphs import CPU, CpuGraph, emulate_graphs_on_cpu, is_emulating
 from autograph.testing import emulate_graphs_on_cpu as public_emulate_graphs_on_cpu
+from conftest import autograph_warnings
 
 
 def capture(run):
@@ -376,3 +380,37 @@ def test_emulation_setting_is_scoped_nests_and_survives_exceptions():
         return is_emulating()
 
     assert decorated() and decorated() and not is_emulating()
+
+
+def test_a_recording_says_the_current_stream_is_capturing_as_cuda_does():
+    def capturing():
+        try:
+            return torch.cuda.is_current_stream_capturing()
+        except RuntimeError:  # a CPU-only build of torch: no CUDA to ask
+            return False
+
+    outside = capturing()
+    assert capture(capturing).outputs is True
+    assert capturing() is outside                       # only while recording
+
+
+def test_hf_bert_skips_its_padding_mask_read_while_recording_and_is_graphed(emulated, caught):
+    """As tests/test_correctness_cuda.py's BERT test on CUDA: transformers reads the padding
+    mask on the host (a sync the guard stops) unless a stream is capturing."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=256)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    graphed = autograph.graphed(copy.deepcopy(model))
+    ids = torch.randint(0, 256, (4, 16))
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask).last_hidden_state
+        for _ in range(4):
+            got = graphed(ids, attention_mask=mask).last_hidden_state
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    row, = autograph.stats(graphed)
+    assert (row.state, row.replays) == ("graphed", 3), row.fallback_reason
+    assert autograph_warnings(caught) == []
