@@ -53,7 +53,9 @@ def execution_state(training: Any) -> tuple:
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         _autocast_state(),
-        _cuda_device() if torch.cuda.is_initialized() else -1,
+        # Before CUDA starts, the device that will be current is 0: a key made then must not
+        # change when something (a compile saving the CUDA generators) starts CUDA lazily.
+        _cuda_device() if torch.cuda.is_initialized() else 0,
         training,
     )
 
