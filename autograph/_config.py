@@ -97,6 +97,7 @@ class Options:
     static_argnames: Tuple[str, ...] = ()
     static_argnums: Tuple[int, ...] = ()
     verify: Optional[int] = None
+    islands: bool = True
 
     def __post_init__(self) -> None:
         # Stored hashable and normalised: options are part of a key inside regions.
@@ -131,6 +132,9 @@ class Options:
             raise ValueError(
                 f"max_graphs={self.max_graphs!r}: it must be an int >= 0 (0 captures nothing)."
             )
+        if not isinstance(self.islands, bool):
+            raise ValueError(f"islands={self.islands!r}: it must be True (a key that runs "
+                             f"eagerly still graphs the module calls inside it) or False.")
         if self.strict is not None and not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r}: it must be True, False or None.")
 

@@ -27,7 +27,7 @@ from ._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife
 from ._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
-from ._scope import current_region
+from ._scope import current_region, nested_calls
 from ._warn import warn_user
 
 Tensor = torch.Tensor
@@ -102,7 +102,11 @@ class Engine:
         if reason is not None:
             with self.lock:
                 self.eager_tally[reason] = self.eager_tally.get(reason, 0) + 1
-            return call(*args, **kwargs)
+            if region is None:
+                return call(*args, **kwargs)
+            region.note_tallied(self)
+            with nested_calls():  # its submodules' calls are part of it, not top-level
+                return call(*args, **kwargs)
         if _devices.inside_a_capture():
             return call(*args, **kwargs)
         options, cache, names, state = self.call_options(instance, region)
@@ -244,14 +248,20 @@ class Engine:
         with self.lock:
             return [self.cache, *self.instance_caches.values()]
 
-    def stats(self) -> List[_stats.KeyStats]:
+    def stats(self, islands: bool = True) -> List[_stats.KeyStats]:
+        """A row per key (its island's keys under it, with ``islands``), and a row per reason
+        for the calls that ran eagerly before being keyed."""
+        return [row for cache in self.caches() for row in cache.stats(islands)] + \
+            self.tally_rows()
+
+    def tally_rows(self) -> List[_stats.KeyStats]:
+        """A row per reason for the calls that ran eagerly before being keyed."""
         with self.lock:
             tally = list(self.eager_tally.items())
-        tallied = [_stats.KeyStats(
+        return [_stats.KeyStats(
             function=self.name, key="every call", state=EAGER, calls=count, eager_calls=count,
             replays=0, capture_seconds=None, graph_bytes=0, fallback_reason=reason)
             for reason, count in tally]
-        return [row for cache in self.caches() for row in cache.stats()] + tallied
 
     def reset(self) -> None:
         with self.lock:

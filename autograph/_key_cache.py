@@ -16,6 +16,7 @@ import threading
 import weakref
 from typing import Any, Dict, List, Set, Tuple
 
+from ._islands import island_rows
 from ._key_life import KeyLife
 from ._pool import Pools
 from ._stats import KeyStats
@@ -108,10 +109,12 @@ class KeyCache:
         while self.dead_keys:
             self._drop(self.dead_keys.pop())
 
-    def stats(self) -> List[KeyStats]:
+    def stats(self, islands: bool = True) -> List[KeyStats]:
+        """A row per key, each followed by its island's rows (``islands``)."""
         with self.lock:
             self.forget_dead()
-            return [entry.stats() for entry in self.entries.values()]
+            return [row for entry in self.entries.values()
+                    for row in [entry.stats(), *(island_rows(entry) if islands else ())]]
 
     def release(self) -> List[int]:
         """Drop every key and graph; return the devices whose graphs were freed."""

@@ -25,6 +25,7 @@ from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
 from ._guard import UnsafeOpDetector
+from ._islands import eager_scope, in_an_island
 from ._outputs import flatten_output
 from ._profile import profile_range, torch_profiler
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
@@ -86,7 +87,7 @@ class KeyLife:
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
                  "strict_error", "graph", "written", "uses_cudnn", "warmup_thread",
                  "strong_identities", "identity_ids", "bucket", "sizes", "trains",
-                 "checks_left", "verified", "warmup_shapes", "groups", "__weakref__")
+                 "checks_left", "verified", "warmup_shapes", "groups", "island", "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -113,6 +114,7 @@ class KeyLife:
         self.sizes: Dict[int, int] = {}  # a bucket's calls by their real size
         # Verify mode: replays still to check (set at each capture), and those that matched.
         self.checks_left = self.verified = 0
+        self.island: Any = None  # the region its eager calls run in (``_islands``)
 
     # ---- replays ----
 
@@ -178,7 +180,8 @@ class KeyLife:
         c.note(self, "eager_calls")
         streams = contextlib.nullcontext() if self.backend is None else \
             self.backend.eager_stream(self.device)
-        with nested_calls(), profile_range("eager", self.function.name, self.label), streams:
+        with eager_scope(self), profile_range("eager", self.function.name, self.label), \
+                streams:
             return c.call(*c.args, **c.kwargs)
 
     def _warmup(self, c: Call) -> Any:
@@ -317,7 +320,7 @@ class KeyLife:
             self.strict_error = message
             if raise_now:
                 raise CaptureError(message)
-        elif warn:
+        elif warn and not in_an_island():  # an island's fallbacks: in stats, not warned
             warn_user(message)
 
     def stats(self) -> KeyStats:

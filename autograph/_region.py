@@ -24,6 +24,7 @@ import torch
 from ._config import Options, check_option_names
 from ._engine import Engine
 from ._graphed import GraphedForward, forward_signature, module_label
+from ._islands import register as register_islands
 from ._pool import Pools
 from ._scope import current_region, enter_region, inside_a_graphed_call, leave_region
 from ._stats import KeyStats
@@ -42,14 +43,16 @@ class RegionStats:
 class Region:
     """A scope that graphs module calls and sets options; see ``autograph.region``."""
 
-    def __init__(self, enabled: bool, explicit: Dict[str, Any]):
+    def __init__(self, enabled: bool, explicit: Dict[str, Any], island: bool = False):
         self.enabled = enabled
         self.explicit = explicit
+        self.island = island  # a key's island (``_islands``): its fallbacks are not warned
         self.options_key = Options(**explicit)  # validated now, not at the first call
         self.pools = Pools()
         self.captures = self.replays = self.eager_calls = 0
         # The keys its calls touched, held weakly: a region keeps no graph alive.
         self._touched: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self._tallied: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     def note(self, life: Any, event: str) -> None:
@@ -60,11 +63,20 @@ class Region:
             if id(life) not in self._touched:
                 self._touched[id(life)] = life
 
+    def note_tallied(self, engine: Any) -> None:
+        """A call of ``engine`` that ran eagerly before being keyed (no CUDA, CPU tensors):
+        counted here, its engine's tally rows in ``stats()``."""
+        with self._lock:
+            self.eager_calls += 1
+            self._tallied[id(engine)] = engine
+
     def stats(self) -> RegionStats:
         """Counts of this region's captures, replays and eager calls, and its keys' stats."""
         with self._lock:
             keys = [life.stats() for life in list(self._touched.values())]
-            return RegionStats(self.captures, self.replays, self.eager_calls, keys)
+            engines = list(self._tallied.values())
+        keys += [row for engine in engines for row in engine.tally_rows()]
+        return RegionStats(self.captures, self.replays, self.eager_calls, keys)
 
     def __enter__(self) -> "Region":
         _install_module_call()
@@ -76,6 +88,9 @@ class Region:
             leave_region(self)
         finally:
             _remove_module_call()  # torch's global state comes back even if that failed
+
+
+register_islands(lambda options: Region(True, options, island=True))
 
 
 def region(*, enabled: bool = True, **options: Any) -> Region:

@@ -54,12 +54,16 @@ def stats(target: Any = None) -> List[KeyStats]:
     """Snapshots of the keys of ``target`` (a graphed function or module, a module called in
     a region, a region), or of every live graphed function.
 
-    Each function's counters are read under that function's lock, so one function's rows are
-    consistent with each other; rows of different functions are read one after another.
+    A function whose keys ran eagerly lists the module calls graphed inside them (its
+    islands) under each such key, as ``function > Module`` rows; the list of every function
+    leaves those out, as the modules have rows of their own. Each function's counters are
+    read under that function's lock, so one function's rows are consistent with each other;
+    rows of different functions are read one after another.
     """
     if isinstance(target, Region):
         return target.stats().keys
-    return [row for owner in _engines_and_caches(target) for row in owner.stats()]
+    islands = target is not None
+    return [row for owner in _engines_and_caches(target) for row in owner.stats(islands)]
 
 
 def reset(target: Any = None) -> None:

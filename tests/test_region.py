@@ -308,3 +308,18 @@ def _exit_catching(region):
     except Exception as error:  # noqa: BLE001 - the test inspects it
         return error
     return None
+
+
+def test_a_region_counts_its_calls_that_cannot_be_graphed_and_not_their_submodules():
+    """Without CUDA (or with CPU tensors and no emulation) a region's top-level calls run
+    eagerly before being keyed: the region still counts them, and their submodules are part
+    of them, not top-level calls of their own (issue 25)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with autograph.region() as r:
+        for _ in range(3):
+            model(torch.ones(2, 4))
+    stats = r.stats()
+    assert (stats.captures, stats.replays, stats.eager_calls) == (0, 0, 3)
+    assert [(row.function, row.key, row.calls) for row in stats.keys] == [
+        (autograph.stats(model)[0].function, "every call", 3)]
+    assert autograph.stats(model[0]) == autograph.stats(model[1]) == []

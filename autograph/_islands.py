@@ -1,0 +1,61 @@
+"""Islands: a key that runs eagerly still graphs the module calls inside it, as a region does.
+
+>>> @autograph.graphed
+... def f(x):
+...     y = m(x)                 # an nn.Module: graphed, an island
+...     if y.sum() > 0:          # a host read: f cannot be one graph, so its key runs eagerly
+...         y = y * 2
+...     return m(y)              # graphed too
+>>> f.stats()                    # f's key (eager, with the reason), then "f > Linear" rows
+
+When a key runs eagerly for good (a guard finding, a verify mismatch, state it changes),
+its eager calls run inside a region of its own (``island``), made once per key with the
+key's options (warmup, outputs, max_graphs, verify), so that its top-level module calls are
+graphed with the same keys, warmup, capture, pool and fallbacks as in a region. The function's
+own Python runs on every call, as eagerly. Not inside another graphed call (its module calls
+belong to that call), not for warmups, and not with ``islands=False``. The region class lives
+in ``_region``, which imports the engine: it registers how to make an island here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ContextManager, Dict, List, Optional
+
+from ._scope import current_region, inside_a_graphed_call, nested_calls
+from ._stats import KeyStats
+
+# The options a key's island takes from the key: those that are not about its own arguments.
+_CARRIED = ("warmup", "outputs", "max_graphs", "verify")
+
+_make_island: Optional[Callable[[Dict[str, Any]], Any]] = None
+
+
+def register(make_island: Callable[[Dict[str, Any]], Any]) -> None:
+    """``make_island(options)``: a region with these options (``_region`` registers it)."""
+    global _make_island
+    _make_island = make_island
+
+
+def eager_scope(life: Any) -> ContextManager[Any]:
+    """Where ``life``'s eager call runs: its island, or inside the call (``nested_calls``)."""
+    if (life.phase != "eager" or not life.options.islands or life.backend is None
+            or _make_island is None or inside_a_graphed_call()):
+        return nested_calls()
+    if life.island is None:
+        life.island = _make_island({name: getattr(life.options, name) for name in _CARRIED})
+    return life.island
+
+
+def in_an_island() -> bool:
+    """Whether this thread's calls are made in a key's island: the key's own fallback was
+    said; its module calls' fallbacks show in its stats, and are logged, not warned."""
+    region = current_region()
+    return region is not None and region.island
+
+
+def island_rows(life: Any) -> List[KeyStats]:
+    """The keys of ``life``'s island, as rows named ``function > Module``."""
+    if life.island is None:
+        return []
+    return [dataclasses.replace(row, function=f"{life.owner} > {row.function}")
+            for row in life.island.stats().keys]

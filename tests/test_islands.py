@@ -1,0 +1,127 @@
+"""Islands (issue 24): a graphed function whose key runs eagerly still graphs the top-level module
+calls inside it, as a region would; results stay eager's."""
+import warnings
+
+import pytest
+import torch
+
+import autograph
+from conftest import autograph_warnings, states
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(),
+                               torch.nn.Linear(8, 8)).to(device)
+
+
+def _branchy(m):
+    def f(x):
+        y = m(x)
+        if y.sum() > 0:  # a host read: f cannot be one graph
+            y = y * 2
+        return m(y)
+    return f
+
+
+def _island_rows(rows):
+    return [r for r in rows if " > " in r.function]
+
+
+def test_a_function_that_falls_back_graphs_the_module_calls_inside_it(device, caught):
+    m = _model(device)
+    plain = _branchy(m)
+    f = autograph.graphed(_branchy(m))
+    xs = [torch.randn(4, 8, device=device) * (1 if i % 2 else -1) for i in range(8)]
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(f(x), plain(x), rtol=0, atol=0)
+    own, *islands = f.stats()
+    assert own.state == "eager"
+    assert "Python condition" in own.fallback_reason
+    assert islands == _island_rows(f.stats()) and islands
+    assert all(r.function.startswith(own.function + " > Sequential") for r in islands)
+    assert sum(r.replays for r in islands) >= 10  # both m calls, from the third call of f
+    assert {r.state for r in islands} == {"graphed"}
+    # One warning: the function's own fallback, said once.
+    assert len(autograph_warnings(caught)) == 1
+
+
+def test_islands_can_be_turned_off(device, caught):
+    m = _model(device)
+    f = autograph.graphed(_branchy(m), islands=False)
+    with torch.no_grad():
+        for i in range(6):
+            f(torch.randn(4, 8, device=device))
+    assert _island_rows(f.stats()) == []
+    assert states(f)[0][0] == "eager"
+    assert autograph.stats(m) == []  # m was never called as a top-level module
+
+
+def test_strict_still_raises_for_the_functions_own_fallback(device):
+    m = _model(device)
+    f = autograph.graphed(_branchy(m), strict=True)
+    with torch.no_grad():
+        f(torch.randn(4, 8, device=device))  # warmup
+        with pytest.raises(autograph.CaptureError, match="Python condition"):
+            f(torch.randn(4, 8, device=device))
+
+
+def test_a_graphed_module_that_falls_back_graphs_its_submodule_calls(device):
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _model(device)
+
+        def forward(self, x):
+            y = self.inner(x)
+            return self.inner(y * 2 if y.sum() > 0 else y)
+
+    torch.manual_seed(1)
+    model = Branchy()
+    reference = _branchy(model.inner)
+    graphed = autograph.graphed(model)
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(4, 8, device=device)
+            torch.testing.assert_close(graphed(x), reference(x), rtol=0, atol=0)
+    rows = graphed.forward.stats()
+    assert rows[0].state == "eager"
+    assert sum(r.replays for r in _island_rows(rows)) > 0
+
+
+def test_the_global_report_lists_each_module_once(device):
+    m = _model(device)
+    f = autograph.graphed(_branchy(m))
+    with torch.no_grad():
+        for i in range(4):
+            f(torch.randn(4, 8, device=device))
+    everything = autograph.stats()
+    assert _island_rows(everything) == []
+    assert any(r.function.startswith("Sequential") and r.replays for r in everything)
+
+
+def test_graphed_generate_gets_the_speed_of_generate_in_a_region(device):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    prompt = torch.randint(0, 128, (1, 5), device=device)
+    cache = transformers.StaticCache(config=config, max_cache_len=32)
+
+    def generate(fn):
+        with torch.inference_mode(), warnings.catch_warnings():
+            cache.reset()  # one cache, as a server keeps it: the key of generate repeats
+            warnings.simplefilter("ignore", FutureWarning)  # past_key_values, in 5.24
+            return fn(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False)
+
+    expected = [generate(model.generate) for _ in range(4)]
+    graphed = autograph.graphed(model.generate)
+    got = [generate(graphed) for _ in range(4)]
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    rows = graphed.stats()
+    assert rows[0].state == "eager"  # its stopping criteria read values on the host
+    assert sum(r.replays for r in _island_rows(rows)) > 0
