@@ -1,5 +1,5 @@
-"""What happened to each key of each graphed function (SPEC 5): the rows, the registry of
-live engines, and the table.
+"""What happened to each key of each graphed function (docs/design.md, "Seeing what happened"): the
+rows, the registry of live engines, and the table.
 
 >>> step.stats()[0]
 KeyStats(function='step', key='x: f32[8, 512] cuda:0', state='graphed', calls=100,
