@@ -1,5 +1,5 @@
-"""Buckets (SPEC 4): a call of size B replays the graph of the smallest capture size >= B,
-its inputs padded, its outputs sliced back.
+"""Buckets (docs/design.md, "Buckets"): a call of size B replays the graph of the smallest capture
+size >= B, its inputs padded, its outputs sliced back.
 
 >>> rule = BucketRule(buckets=(1, 2, 4, 8), explicit=None)
 >>> padding, reason = rule.padding(names, args, kwargs, tensors, addressed)

@@ -1,5 +1,6 @@
-"""Churn passes through (SPEC 2.9): a function whose calls keep making keys that are never
-graphed stops being keyed and watched, and runs as a plain call, looking again now and then.
+"""Churn passes through (docs/design.md, "Never slower"): a function whose calls keep making keys
+that are never graphed stops being keyed and watched, and runs as a plain call, looking again now
+and then.
 
 >>> churn = Churn("LlamaForCausalLM")
 >>> if churn.left > 0:             # the engine's check, before any keying: passing through

@@ -86,7 +86,8 @@ _OUTPUT_POLICIES = ("copy", "static")
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The options of one graphed function (SPEC section 4), validated on construction."""
+    """The options of one graphed function (docs/design.md, "Options"), validated on
+    construction."""
 
     warmup: int = 1
     outputs: str = "copy"

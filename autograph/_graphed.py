@@ -1,4 +1,4 @@
-"""``@autograph.graphed``: the public wrappers around an engine (SPEC 1).
+"""``@autograph.graphed``: the public wrappers around an engine (docs/design.md, "A call's life").
 
 >>> @autograph.graphed
 ... def step(x, w):

@@ -1,4 +1,4 @@
-"""The key of a call: what must match for a captured graph to be replayed (SPEC 2.1).
+"""The key of a call: what must match for a captured graph to be replayed (docs/design.md, "Keys").
 
 >>> key, tensors, identities, addressed = call_key((x, w), {}, execution_state(None))
 >>> describe_call(("x", "w"), (x, w), {}, execution_state(None))

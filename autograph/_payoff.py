@@ -1,6 +1,6 @@
-"""Keys that do not pay stay eager (SPEC 2.9): a key's first calls after its capture take
-turns between its graph and its eager run, each timed on the GPU clock, and the key keeps
-its graph only if the replay beats eager.
+"""Keys that do not pay stay eager (docs/design.md, "Never slower"): a key's first calls after its
+capture take turns between its graph and its eager run, each timed on the GPU clock, and the key
+keeps its graph only if the replay beats eager.
 
 >>> payoff = Payoff()                         # one per key, made at its capture
 >>> run = payoff.next_run()                   # "replay" or "eager": they take turns

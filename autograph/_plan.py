@@ -8,13 +8,13 @@
 Inputs: ``empty_strided`` copies of the arguments. All arguments are copied in with one
 ``torch._foreach_copy_``, skipping any that already is its static tensor; stride-0
 (expanded) arguments are copied through narrowed views. Arguments the function wrote to are
-copied back to the caller's tensors after each replay (SPEC 2.7).
+copied back to the caller's tensors after each replay (docs/design.md, "Inputs").
 
 Outputs: those that are, or view, an argument are rebuilt on the caller's tensor; others are
 cloned (``outputs="copy"``), or handed out as fresh aliases of the graph's buffers
 (``outputs="static"``). An alias does not own its memory: the pool poisons it before the next
 replay of any of its graphs, and the plan poisons it when the graph is released, so reading it
-then raises instead of showing another call's data or freed memory (SPEC 2.5).
+then raises instead of showing another call's data or freed memory (docs/design.md, "Outputs").
 """
 from __future__ import annotations
 

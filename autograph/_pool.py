@@ -63,6 +63,8 @@ class Pool:
             self._order_after_last_stream()
 
     def _order_after_last_stream(self) -> None:
+        # Private, on every replay: the public ``current_stream(device).cuda_stream`` makes a
+        # Stream object per call (docs/design.md, "Private torch APIs").
         raw = torch._C._cuda_getCurrentRawStream(self.device)
         if raw != self.last_raw_stream:
             current = current_stream(self.device)

@@ -1,5 +1,5 @@
-"""Python state a call changes (issue 27): the plain-Python values that the objects a call can
-reach hold, what a call changed of them, and taking those changes back.
+"""Python state a call changes (docs/design.md, "Python state"): the plain-Python values that the
+objects a call can reach hold, what a call changed of them, and taking those changes back.
 
 >>> state = PythonState.of(roots_of(fn, model, names, args, kwargs), fn)
 >>> fn(*args, **kwargs)

@@ -1,5 +1,5 @@
-"""Every rank decides alike (SPEC 10): a key whose calls run collectives is graphed on every rank
-of their process groups, or on none.
+"""Every rank decides alike (docs/design.md, "Ranks"): a key whose calls run collectives is graphed
+on every rank of their process groups, or on none.
 
 >>> watch = CollectiveWatch()
 >>> with watch:                              # the last warmup call

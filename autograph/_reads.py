@@ -1,5 +1,5 @@
-"""State read by address (SPEC 2.8): which tensors a graph reads that are not its arguments,
-their names, and a watch that notices when one of them is freed or rebound.
+"""State read by address (docs/design.md, "State read by address"): which tensors a graph reads that
+are not its arguments, their names, and a watch that notices when one of them is freed or rebound.
 
 >>> with CallWatch(statics) as watch:       # during capture: sees every op's tensors
 ...     outputs = step(*statics)
@@ -284,7 +284,7 @@ _ANY = object()  # a slot whose graph does not depend on the .grad it finds
 
 class GradSlots:
     """The ``.grad`` of leaves that a graph's backward writes: a graph replays Python's
-    effect on ``.grad`` only as captured (SPEC 2.8 applies to ``.grad`` too).
+    effect on ``.grad`` only as captured (docs/design.md, "State read by address": ``.grad`` too).
 
     Per leaf the capture found one of: it stole a fresh gradient into a ``.grad`` that was
     None (replays need ``.grad`` None again, then get the graph's buffer bound to it); it

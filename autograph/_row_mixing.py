@@ -7,15 +7,14 @@
 'output 0 (real rows) changed when the pad rows did: it mixes rows ...'
 
 A replay runs no Python, so it may be repeated without repeating the function's effects
-(SPEC 2.2): the graph, captured and replayed once for its call, is replayed once more with each
-padded input's pad rows holding copies of the real rows (cycled: values the function is known
-to accept, where a constant could be an index out of range), and its real rows compared with
-the first replay's. Equal: they do not depend on the pad rows. Different: a mean or sum over
+(docs/design.md, "Buckets"): the graph, captured and replayed once for its call, is replayed once
+more with each padded input's pad rows holding copies of the real rows (cycled: values the function
+is known to accept, where a constant could be an index out of range), and its real rows compared
+with the first replay's. Equal: they do not depend on the pad rows. Different: a mean or sum over
 the batch, batch statistics, attention across rows; the key runs eagerly, the output named.
-Everything the probe writes (the inputs' pad rows, the storages the graph writes: a KV cache,
-batch norm's running statistics) is saved before and restored after, so the call's effects
-are as if the probe never ran. With no pad rows (a call of the bucket's own size) there is
-nothing to probe.
+Everything the probe writes (the inputs' pad rows, the storages the graph writes: a KV cache, batch
+norm's running statistics) is saved before and restored after, so the call's effects are as if the
+probe never ran. With no pad rows (a call of the bucket's own size) there is nothing to probe.
 
 A sum over the batch with the default zero padding is right and still found: the probe
 cannot tell a neutral pad value from a lucky one.

@@ -1,10 +1,10 @@
-"""What happened to each key of each graphed function (SPEC 5): the rows, the registry of
-live engines, and the table.
+"""What happened to each key of each graphed function (docs/design.md, "Seeing what happened"): the
+rows, the registry of live engines, and the table.
 
 >>> step.stats()[0]
 KeyStats(function='step', key='x: f32[8, 512] cuda:0', state='graphed', calls=100,
          eager_calls=1, replays=99, capture_seconds=0.004, graph_bytes=2097152,
-         fallback_reason=None)
+         fallback_reason=None, bucket=None, sizes=None, verified=0)
 >>> print(format_table(step.stats(), width=100))     # wrapped to a 100-column terminal
 >>> [dataclasses.asdict(row) for row in step.stats()]   # plain dicts, for scripts and JSON
 """

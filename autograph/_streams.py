@@ -21,7 +21,8 @@ from typing import Any, Tuple
 
 import torch
 
-# Absent from CPU-only builds of torch, where nothing here is called.
+# Private, kept on the replay path (docs/design.md, "Private torch APIs"); absent from CPU-only
+# builds of torch, where nothing here is called.
 _get_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
 _set_stream = getattr(torch._C, "_cuda_setStream", None)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)

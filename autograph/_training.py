@@ -1,4 +1,5 @@
-"""Graphed forward and backward for calls whose outputs need gradients (SPEC 9).
+"""Graphed forward and backward for calls whose outputs need gradients (docs/design.md, "Training
+graphs").
 
 >>> graph = TrainingGraph.record(request)        # a _recording.CaptureRequest
 >>> out = graph.replay([x], copy_in=False)       # an autograd.Function's output

@@ -44,6 +44,8 @@ class UndoWrites(CompiledCodeRunsUnder):
         kwargs = kwargs or {}
         for tensor in written_tensors(func, args, kwargs):
             storage = tensor.untyped_storage()
+            # The storage's own identity (private: docs/design.md, "Private torch APIs"): its
+            # data_ptr() changes when an op resizes it, and a Python storage object is not kept.
             key = storage._cdata
             if key not in self.created and key not in self.saved and storage.nbytes():
                 # The whole storage: later writes may go through other views of it.

@@ -1,6 +1,6 @@
 """Verify mode (``verify=n``): check a replay against an eager run of the same call.
 
->>> outputs, mismatch = verified_replay(graph, call, "step", "x: f32[8] cuda:0", roots)
+>>> outputs, mismatch = verified_replay(graph, c, "step", "x: f32[8] cuda:0", roots)
 >>> mismatch        # None, or what differs: "out[1].logits (f32[1, 1024] cuda:0) differs ..."
 
 One checked call runs the function eagerly under ``UndoWrites`` (which saves every storage
@@ -230,7 +230,7 @@ def verified_replay(graph: Any, c: Any, function: str, key: str, roots: Roots
                     ) -> Tuple[Any, Optional[str]]:
     """Run the call ``c`` eagerly and take it back, replay ``graph``, and compare.
 
-    >>> outputs, mismatch = verified_replay(entry.graph, c, "step", entry.label, roots)
+    >>> outputs, mismatch = verified_replay(life.graph, c, "step", life.label, roots)
 
     Returns the replay's outputs and None, or, on a mismatch, the eager outputs and what
     differs (the reason to run the key eagerly from now on).

@@ -1,4 +1,5 @@
-"""Serving shapes (SPEC 4): buckets, arguments used by address, and capture ahead of time."""
+"""Serving shapes (docs/design.md, "Buckets"): buckets, arguments used by address, and capture ahead
+of time."""
 import pytest
 import torch
 

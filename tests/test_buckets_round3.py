@@ -1,4 +1,4 @@
-"""Buckets that are never wrong (issue 22, SPEC 4 ``buckets=``): every run of a bucketed key
+"""Buckets that are never wrong (issue 22; docs/design.md, "Buckets"): every run of a bucketed key
 sees the padded arguments, outputs are sliced back only where evidence shows that their dim
 follows the batch, and functions whose real rows change with the padding are caught.
 

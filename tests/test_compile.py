@@ -1,4 +1,4 @@
-"""SPEC 8: torch.compile and autograph, in either order (CPU: the emulation and Dynamo backends
+"""torch.compile and autograph, in either order (CPU: the emulation and Dynamo backends
 whose ops go through the dispatcher; the CUDA tests also use Inductor)."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Options and environment variables (SPEC 4 and 6)."""
+"""Options and environment variables (docs/design.md, "Options")."""
 import os
 import subprocess
 import sys

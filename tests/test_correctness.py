@@ -1,6 +1,7 @@
-"""Never a wrong result (issue 8, SPEC 2.1, 2.5, 2.7, 2.8): each case here once gave a wrong
-result or a crash. Each test runs on the CPU emulation and, where there is one, on a GPU, and
-checks both the values (equal to eager) and what the engine did (graphed, eager, recaptured).
+"""Never a wrong result (issue 8; docs/design.md, "Keys", "Inputs", "Outputs", "State read by
+address"): each case here once gave a wrong result or a crash. Each test runs on the CPU emulation
+and, where there is one, on a GPU, and checks both the values (equal to eager) and what the engine
+did (graphed, eager, recaptured).
 """
 import asyncio
 import gc
@@ -19,7 +20,7 @@ def rows(fn):
     return [(s.state, s.calls, s.eager_calls, s.replays) for s in autograph.stats(fn)]
 
 
-# ---- state read by address (SPEC 2.8) ----
+# ---- state read by address (docs/design.md, "State read by address") ----
 
 class GrowingCache:
     """A cache that grows with torch.cat, as HF's DynamicCache does: its tensor is rebound."""
@@ -106,7 +107,7 @@ def test_in_place_updates_of_state_read_by_address_are_seen(device):
     assert rows(f) == [("graphed", 4, 1, 3)]
 
 
-# ---- keys (SPEC 2.1) ----
+# ---- keys (docs/design.md, "Keys") ----
 
 def test_signed_zero_and_nan_values_key_as_they_compute(device):
     @autograph.graphed
@@ -133,7 +134,7 @@ def test_an_unhashable_keyword_argument_is_named(device):
         f((torch.ones(1, device=device), {1}), cfg=None)
 
 
-# ---- outputs (SPEC 2.5) ----
+# ---- outputs (docs/design.md, "Outputs") ----
 
 class Box:
     def __init__(self, value):
@@ -171,7 +172,7 @@ def test_an_object_passed_in_and_returned_comes_back_as_itself(device):
     assert rows(step) == [("graphed", 4, 1, 3)]
 
 
-# ---- arguments that share memory (SPEC 2.7) ----
+# ---- arguments that share memory (docs/design.md, "Inputs") ----
 
 def test_arguments_sharing_memory_give_eager_results_on_every_call_capture_included(device):
     @autograph.graphed
@@ -192,7 +193,7 @@ def test_arguments_sharing_memory_give_eager_results_on_every_call_capture_inclu
     assert rows(f) == [("graphed", 4, 3, 1)]
 
 
-# ---- arguments a graph cannot stand in for (SPEC 2.1) ----
+# ---- arguments a graph cannot stand in for (docs/design.md, "Keys") ----
 
 class Doubling(torch.Tensor):
     @classmethod
@@ -390,7 +391,7 @@ def test_a_host_read_seen_only_at_warmup_does_not_veto_the_capture(device, caugh
     assert autograph_warnings(caught) == []
 
 
-# ---- .grad is state read by address too (SPEC 2.8) ----
+# ---- .grad is state read by address too (docs/design.md, "State read by address") ----
 
 @pytest.mark.parametrize("clear", ["none_outside", "zero_outside", "none_inside", "zero_inside"])
 def test_backward_inside_a_graphed_function_leaves_grad_as_eager(device, clear):

@@ -221,7 +221,7 @@ def test_python_side_effects_happen_at_capture_not_at_replay(device):
 
     for _ in range(5):
         f(torch.zeros(1, device=device))
-    assert len(seen) == 2  # warmup and capture (SPEC 7)
+    assert len(seen) == 2  # warmup and capture (docs/design.md, "A key's life")
     assert states(f) == [("graphed", 5, 1, 4)]
 
 

@@ -1,4 +1,5 @@
-"""Keys (SPEC 2.1): what makes two calls share a graph, and how a key reads in messages."""
+"""Keys (docs/design.md, "Keys"): what makes two calls share a graph, and how a key reads in
+messages."""
 import collections
 import dataclasses
 import enum
@@ -6,8 +7,10 @@ import enum
 import pytest
 import torch
 
+import autograph
 from autograph._keys import call_key, describe_call, execution_state
 from autograph._outputs import flatten_output
+from conftest import states
 
 
 def key(*args, **kwargs):
@@ -116,3 +119,27 @@ def test_output_flatten_and_rebuild_round_trip():
     assert again["a"][0] is t[0] and again["a"][1][0] is t[1]
     assert isinstance(again["b"], Batch) and again["b"].ids is t[2] and again["b"].note == "note"
     assert again["c"] == Pair(1, None)
+
+
+def test_a_dict_argument_whose_first_key_is_address_is_keyed_as_a_dict(device):
+    # Issue 20: key parts were tuples told apart by a string tag, and ``("address", ...)``
+    # marked a tensor used by address. A user's dict whose first key is "address" was taken
+    # for one: a tensor of another size then went into the first graph, broadcast (x * 35
+    # where eager gives x * 7). Typed parts (``_keys.AtAddress``) cannot be mistaken.
+    @autograph.graphed(buckets=[4, 8], bucket_args={"x": 0})
+    def f(m, x):
+        return x * m["address"].sum()
+
+    x = torch.randn(3, 2, device=device)
+    ones = {"address": torch.ones(5, device=device), "u": 1, "v": 2}
+    for _ in range(3):
+        assert torch.equal(f(ones, x), x * 5)
+    sevens = {"address": torch.full((1,), 7.0, device=device), "u": 1, "v": 2}
+    for _ in range(3):
+        out = f(sevens, x)
+        assert out.shape == (3, 2) and torch.equal(out, x * 7)      # what eager gives
+    # Two keys, each warmed up once, captured, and replayed: graphs served both.
+    assert states(f) == [("graphed", 3, 1, 2), ("graphed", 3, 1, 2)]
+    keys = [row.key for row in f.stats()]
+    assert keys[0].startswith("m['address']: f32[5]") and keys[1].startswith(
+        "m['address']: f32[1]")

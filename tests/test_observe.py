@@ -1,5 +1,6 @@
-"""Seeing what the graphs do (issue 12, SPEC 5): named profiler ranges, the capture and
-fallback log lines with a summary at exit, and ``report()`` readable in a terminal and as data.
+"""Seeing what the graphs do (issue 12; docs/design.md, "Seeing what happened"): named profiler
+ranges, the capture and fallback log lines with a summary at exit, and ``report()`` readable in a
+terminal and as data.
 """
 import dataclasses
 import io

@@ -1,4 +1,5 @@
-"""Several processes (SPEC 10): collectives inside graphed functions, every rank deciding alike.
+"""Several processes (docs/design.md, "Ranks"): collectives inside graphed functions, every rank
+deciding alike.
 
 CPU processes with the gloo backend run the real engine through the CPU emulation; the NCCL
 test captures collectives on one GPU. Tests on two or more GPUs are in the multi-GPU suite

@@ -1,4 +1,5 @@
-"""Graphed training (SPEC 9): forward and backward graphs per key, and the whole step."""
+"""Graphed training (docs/design.md, "Training graphs"): forward and backward graphs per key, and
+the whole step."""
 import contextlib
 
 import pytest

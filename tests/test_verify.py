@@ -1,4 +1,4 @@
-"""Verify mode (issue 12, SPEC 4 ``verify=n``): the first n replays of a key are checked
+"""Verify mode (issue 12; docs/design.md, "Verify"): the first n replays of a key are checked
 against an eager run of the same call. Planted faults (a Python value, a rebound tensor, a
 Python branch) are caught with the first differing output or state named, and the caller still
 gets eager's results with the call's effects once; correct functions (an MLP, dropout, batch
