@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ._bucket_runs import first_padded_replay, note_capture, probed_replay, run_call
 from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
@@ -28,7 +29,7 @@ from ._guard import UnsafeOpDetector
 from ._outputs import flatten_output
 from ._profile import profile_range, torch_profiler
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from ._reads import CallWatch, roots_of, shares_written_memory
+from ._reads import CallWatch, roots_of, shares_written_memory, storage_ptr
 from ._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
@@ -86,7 +87,8 @@ class KeyLife:
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
                  "strict_error", "graph", "written", "uses_cudnn", "warmup_thread",
                  "strong_identities", "identity_ids", "bucket", "sizes", "trains",
-                 "checks_left", "verified", "warmup_shapes", "groups", "__weakref__")
+                 "checks_left", "verified", "padded_runs", "state_written", "groups",
+                 "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -104,8 +106,11 @@ class KeyLife:
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
         self.identity_ids: List[int] = []  # ids of the objects it keys by identity
-        # The watched warmup's output shapes (buckets: which outputs follow the padded dim).
-        self.warmup_shapes: Optional[List[Any]] = None
+        # Buckets: whether a key with per-bucket state runs its function on padded arguments
+        # (until a bucket reason makes it eager), and the state read by address that the
+        # watched warmup wrote (saved around the probe of its graph, ``_row_mixing``).
+        self.padded_runs = True
+        self.state_written: List[Tensor] = []
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
         # The process groups its warmup ran collectives on: their ranks agree on its capture.
@@ -126,7 +131,9 @@ class KeyLife:
         self.count(padding)
         graph = self.graph
         if graph is None or self.checks_left or torch_profiler._is_profiler_enabled \
-                or not self._may_replay(graph, tensors):
+                or not self._may_replay(graph, tensors) or (
+                    padding is not None and graph.outputs.follows is None
+                    and padding.rows != padding.bucket):
             return MISS
         self.replays += 1
         if region is not None:
@@ -144,6 +151,9 @@ class KeyLife:
         key's life."""
         graph = self.graph
         if graph is not None and self._may_replay(graph, c.tensors):
+            if c.padding is not None and graph.outputs.follows is None \
+                    and c.padding.rows != c.padding.bucket:
+                return first_padded_replay(self, c)
             return self._observed_replay(c)
         if graph is not None:
             if graph.may_replay():  # shares written memory, or its graph is busy: eager
@@ -179,7 +189,7 @@ class KeyLife:
         streams = contextlib.nullcontext() if self.backend is None else \
             self.backend.eager_stream(self.device)
         with nested_calls(), profile_range("eager", self.function.name, self.label), streams:
-            return c.call(*c.args, **c.kwargs)
+            return run_call(self, c)
 
     def _warmup(self, c: Call) -> Any:
         self.eager_calls += 1
@@ -187,7 +197,7 @@ class KeyLife:
         with nested_calls(), profile_range("warmup", self.function.name, self.label), \
                 self.backend.eager_stream(self.device):
             if self.warmups + 1 < self.options.warmup:
-                outputs = c.call(*c.args, **c.kwargs)
+                outputs = run_call(self, c)
                 self.warmups += 1
                 return outputs
             outputs = self.watched_warmup(c)
@@ -201,17 +211,18 @@ class KeyLife:
         watch = CallWatch()
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
         with detector, watch, collectives:
-            outputs = c.call(*c.args, **c.kwargs)
+            outputs = run_call(self, c)
         if isinstance(collectives, CollectiveWatch):
             self.groups = collectives.groups
         self.warmups += 1
         self.uses_cudnn = detector.uses_cudnn
         self.warmup_thread = threading.get_ident()
         leaves = flatten_output(outputs)[0]
-        if c.padding is not None:
-            self.warmup_shapes = [c.padding.rows, [
-                tuple(o.shape) if isinstance(o, Tensor) else None for o in leaves]]
         self.written = watch.written_arguments(c.tensors)
+        if c.padding is not None:
+            copied = {storage_ptr(t) for i, t in enumerate(c.tensors) if i not in c.addressed}
+            self.state_written = [t for ptr, t in watch.external.items()
+                                  if ptr in watch.written and ptr not in copied]
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in leaves):
             self.trains = True  # a closed-over parameter needs gradients
@@ -222,12 +233,24 @@ class KeyLife:
     def _capture(self, c: Call) -> Any:
         """Record the graph and replay it once for this call's result; MISS if it cannot be
         graphed (the key now runs eagerly)."""
+        padding = c.padding
+        padded = padding is not None and padding.rows != padding.bucket
+        if padded and padding.bucket in padding.shapes.runs \
+                and padding.shapes.decide(padding.rows, padding.bucket).dims is None:
+            return self.run_eagerly(c)  # which outputs to slice shows in this call's run
         graph = self.agreed_record(c)
         if graph is None:
             return MISS
-        self.replays += 1
-        with profile_range("replay", self.function.name, self.label):
-            outputs = graph.replay(c.tensors, c.padding, copy_in=False)
+        if padding is not None and not note_capture(self, graph, padding):
+            return self.run_eagerly(c)
+        if padded:
+            outputs = probed_replay(self, c, graph, copy_in=False)
+            if self.phase == EAGER:  # it mixes rows
+                return outputs
+        else:
+            self.replays += 1
+            with profile_range("replay", self.function.name, self.label):
+                outputs = graph.replay(c.tensors, padding, copy_in=False)
         graph.watch_reads()
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
@@ -281,7 +304,7 @@ class KeyLife:
         cudnn = self.uses_cudnn and self.warmup_thread != threading.get_ident()
         request = CaptureRequest(c.call, c.args, c.kwargs, c.tensors, self.backend,
                                  self.device, pool, self.options.outputs, label, self.function.roots(c),
-                                 cudnn, c.padding, c.addressed, self.warmup_shapes)
+                                 cudnn, c.padding, c.addressed)
         with nested_calls(), profile_range("capture", self.function.name, self.label):
             graph = (TrainingGraph if self.trains else Graph).record(request)
         logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
