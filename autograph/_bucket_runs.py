@@ -2,7 +2,7 @@
 output dims come back sliced, and the probe of its graph's first replay with pad rows.
 
 >>> outputs = run_call(life, c)                        # a warmup or eager run of the key
->>> outputs = probed_replay(life, c, graph, copy_in=False)   # its graph's first padded replay
+>>> outputs, kept = capture_replay(life, c, graph)     # the capture call's replay, probed
 
 A key with per-bucket state (an argument used by address, an object keyed by identity: each
 bucket's own KV cache) runs its function on the padded arguments in every phase, so that the
@@ -20,7 +20,7 @@ do not replay (``KeyLife.serve`` checks ``graph.outputs.follows``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List, Tuple
 
 import torch
 
@@ -28,6 +28,7 @@ from ._batch_dims import real_rows
 from ._buckets import padded_arguments
 from ._outputs import flatten_output
 from ._profile import profile_range
+from ._reads import storage_ptr
 from ._row_mixing import SavedState, mixes_rows
 
 Tensor = torch.Tensor
@@ -89,7 +90,34 @@ def refuse(life: Any, reason: str) -> None:
     life.fall_back(reason, raise_now=False)
 
 
-def note_capture(life: Any, graph: Any, padding: Any) -> bool:
+def slices_unknown(padding: Any) -> bool:
+    """Whether a capture call with pad rows should run eagerly instead: its bucket's size has
+    run already, and which output dims to slice back is still unknown (its run shows it)."""
+    return padding.rows != padding.bucket and padding.bucket in padding.shapes.runs \
+        and padding.shapes.decide(padding.rows, padding.bucket).dims is None
+
+
+def state_written(c: Any, watch: Any) -> List[Tensor]:
+    """The tensors a watched run (``_reads.CallWatch``) wrote that are not copied into a
+    graph's statics: state read by address, arguments used by address."""
+    copied = {storage_ptr(t) for i, t in enumerate(c.tensors) if i not in c.addressed}
+    return [t for ptr, t in watch.external.items() if ptr in watch.written and ptr not in copied]
+
+
+def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
+    """The capture call's own replay of ``graph``: (outputs, whether the graph is kept). For a
+    bucket, the captured output shapes are noted first, and a replay with pad rows probed."""
+    padding = c.padding
+    if padding is not None and not _note_capture(life, graph, padding):
+        return life.run_eagerly(c), False
+    if padding is not None and padding.rows != padding.bucket:
+        return probed_replay(life, c, graph, copy_in=False)
+    life.replays += 1
+    with profile_range("replay", life.function.name, life.label):
+        return graph.replay(c.tensors, padding, copy_in=False), True
+
+
+def _note_capture(life: Any, graph: Any, padding: Any) -> bool:
     """Note the captured outputs' shapes at the bucket's size; False, the graph released, if
     they show that its outputs cannot be sliced back (the key is eager from now on), or if
     which to slice is still unknown for this call's rows (an eager run will show it)."""
@@ -109,16 +137,16 @@ def first_padded_replay(life: Any, c: Any) -> Any:
     decision = c.padding.shapes.decide(c.padding.rows, c.padding.bucket)
     if decision.dims is None:
         return life.run_eagerly(c)
-    outputs = probed_replay(life, c, life.graph, copy_in=True)
-    if life.graph is not None:
+    outputs, kept = probed_replay(life, c, life.graph, copy_in=True)
+    if kept:
         c.note(life, "replays")
     return outputs
 
 
-def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Any:
-    """Replay ``graph`` for the call ``c``, then once more with other pad rows; if its real
-    rows changed, take the replay back and run the call eagerly (the key is eager from now
-    on)."""
+def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bool]:
+    """Replay ``graph`` for the call ``c``, then once more with other pad rows: (outputs,
+    True); or, if its real rows changed, take the replay back, release the graph and run the
+    call eagerly (the key is eager from now on): (outputs, False)."""
     padding = c.padding
     rows, plan = padding.rows, graph.outputs
     plan.slice_dims(padding.shapes.decided)
@@ -140,10 +168,10 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Any:
 
     finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before)
     if finding is None:
-        return outputs
+        return outputs, True
     before.restore()
     callers.restore()
     life.replays -= 1
     graph.release()
     refuse(life, finding)
-    return life.run_eagerly(c)
+    return life.run_eagerly(c), False

@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ._bucket_runs import first_padded_replay, note_capture, probed_replay, run_call
+from ._bucket_runs import (capture_replay, first_padded_replay, run_call, slices_unknown,
+                           state_written)
 from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
@@ -29,7 +30,7 @@ from ._guard import UnsafeOpDetector
 from ._outputs import flatten_output
 from ._profile import profile_range, torch_profiler
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from ._reads import CallWatch, roots_of, shares_written_memory, storage_ptr
+from ._reads import CallWatch, roots_of, shares_written_memory
 from ._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
@@ -86,9 +87,8 @@ class KeyLife:
     __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
                  "strict_error", "graph", "written", "uses_cudnn", "warmup_thread",
-                 "strong_identities", "identity_ids", "bucket", "sizes", "trains",
-                 "checks_left", "verified", "padded_runs", "state_written", "groups",
-                 "__weakref__")
+                 "strong_identities", "identity_ids", "bucket", "sizes", "trains", "checks_left",
+                 "verified", "padded_runs", "state_written", "groups", "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -106,9 +106,7 @@ class KeyLife:
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
         self.identity_ids: List[int] = []  # ids of the objects it keys by identity
-        # Buckets: whether a key with per-bucket state runs its function on padded arguments
-        # (until a bucket reason makes it eager), and the state read by address that the
-        # watched warmup wrote (saved around the probe of its graph, ``_row_mixing``).
+        # Buckets (``_bucket_runs``): its runs padded? The state its watched warmup wrote.
         self.padded_runs = True
         self.state_written: List[Tensor] = []
         self.bucket = bucket  # the capture size, for a bucketed key
@@ -131,9 +129,8 @@ class KeyLife:
         self.count(padding)
         graph = self.graph
         if graph is None or self.checks_left or torch_profiler._is_profiler_enabled \
-                or not self._may_replay(graph, tensors) or (
-                    padding is not None and graph.outputs.follows is None
-                    and padding.rows != padding.bucket):
+                or not self._may_replay(graph, tensors) or padding is not None and \
+                graph.outputs.follows is None and padding.rows < padding.bucket:
             return MISS
         self.replays += 1
         if region is not None:
@@ -151,8 +148,8 @@ class KeyLife:
         key's life."""
         graph = self.graph
         if graph is not None and self._may_replay(graph, c.tensors):
-            if c.padding is not None and graph.outputs.follows is None \
-                    and c.padding.rows != c.padding.bucket:
+            padding = c.padding  # a bucket's first call with pad rows: probed (_bucket_runs)
+            if padding and graph.outputs.follows is None and padding.rows < padding.bucket:
                 return first_padded_replay(self, c)
             return self._observed_replay(c)
         if graph is not None:
@@ -219,10 +216,7 @@ class KeyLife:
         self.warmup_thread = threading.get_ident()
         leaves = flatten_output(outputs)[0]
         self.written = watch.written_arguments(c.tensors)
-        if c.padding is not None:
-            copied = {storage_ptr(t) for i, t in enumerate(c.tensors) if i not in c.addressed}
-            self.state_written = [t for ptr, t in watch.external.items()
-                                  if ptr in watch.written and ptr not in copied]
+        self.state_written = [] if c.padding is None else state_written(c, watch)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in leaves):
             self.trains = True  # a closed-over parameter needs gradients
@@ -233,24 +227,14 @@ class KeyLife:
     def _capture(self, c: Call) -> Any:
         """Record the graph and replay it once for this call's result; MISS if it cannot be
         graphed (the key now runs eagerly)."""
-        padding = c.padding
-        padded = padding is not None and padding.rows != padding.bucket
-        if padded and padding.bucket in padding.shapes.runs \
-                and padding.shapes.decide(padding.rows, padding.bucket).dims is None:
+        if c.padding is not None and slices_unknown(c.padding):
             return self.run_eagerly(c)  # which outputs to slice shows in this call's run
         graph = self.agreed_record(c)
         if graph is None:
             return MISS
-        if padding is not None and not note_capture(self, graph, padding):
-            return self.run_eagerly(c)
-        if padded:
-            outputs = probed_replay(self, c, graph, copy_in=False)
-            if self.phase == EAGER:  # it mixes rows
-                return outputs
-        else:
-            self.replays += 1
-            with profile_range("replay", self.function.name, self.label):
-                outputs = graph.replay(c.tensors, padding, copy_in=False)
+        outputs, kept = capture_replay(self, c, graph)
+        if not kept:
+            return outputs
         graph.watch_reads()
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
