@@ -2,18 +2,13 @@
 sees the padded arguments, outputs are sliced back only where evidence shows that their dim
 follows the batch, and functions whose real rows change with the padding are caught.
 
-Each test fails on the engine of 70aa60d and is marked ``xfail(strict=True)`` until the
-wiring of ``autograph/_batch_dims.py`` lands: a test that starts passing then fails the suite,
-which says to remove its mark."""
+Each test failed on the engine of 70aa60d (issue 22); the wiring of ``_batch_dims``,
+``_row_mixing`` and ``_bucket_runs`` makes them pass."""
 import pytest
 import torch
 
 import autograph
 from conftest import states
-
-
-def issue_22(what):
-    return pytest.mark.xfail(strict=True, reason=f"issue 22: {what}")
 
 
 def by_bucket(fn):
