@@ -17,11 +17,11 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from . import _config
-from ._buckets import BucketRule, Padding, bucket_key, resized_examples
+from ._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
 from ._config import Options, logger
+from ._key_cache import KeyCache
 from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
 from ._keys import call_key
-from ._outputs import flatten_arguments
 from ._progress import progress
 from ._scope import current_region, nested_calls
 from ._stats import KeyStats
@@ -39,7 +39,7 @@ def capture_ahead(engine: Any, call: Callable, instance: Any, args: tuple, kwarg
     options, cache, names, state = engine.call_options(instance, region)
     examples: List[Tuple[tuple, dict, Optional[Padding]]] = [(args, kwargs, None)]
     if options.buckets is not None:
-        examples = _bucket_examples(engine.name, options, names, args, kwargs, state)
+        examples = _bucket_examples(engine.name, options, names, args, kwargs, state, cache)
     rows = []
     started = time.perf_counter()
     for example_args, example_kwargs, padding in progress(examples,
@@ -91,7 +91,7 @@ def _capture_key(life: KeyLife, c: Call) -> None:
 
 
 def _bucket_examples(name: str, options: Options, names: List[str], args: tuple,
-                     kwargs: dict, state: tuple) -> List[Tuple[tuple, dict, Optional[Padding]]]:
+                     kwargs: dict, state: tuple, cache: KeyCache) -> List[Tuple[tuple, dict, Optional[Padding]]]:
     """The example call resized to every bucket, largest first, with its padding."""
     keyed = call_key(args, kwargs, state, names, options.static_argnames,
                      options.static_argnums)
@@ -99,14 +99,13 @@ def _bucket_examples(name: str, options: Options, names: List[str], args: tuple,
         names, args, kwargs, keyed.tensors, keyed.addressed)
     if padding is None:
         raise ValueError(f"{name}.capture(): the example call cannot be bucketed: {reason}.")
+    family, stateful = family_key(args, kwargs, state, names, options.static_argnames,
+                                  options.static_argnums, padding)
+    shapes = cache.batch_shapes_of(family, options)
     examples = []
     for size in reversed(options.buckets or ()):
-        resized = resized_examples(keyed.tensors, padding, size)
-        leaves, rebuild = flatten_arguments((args, kwargs))
-        index = iter(range(len(keyed.tensors)))
-        resized_args, resized_kwargs = rebuild([resized.get(next(index), leaf)
-                                                if isinstance(leaf, Tensor) else leaf
-                                                for leaf in leaves])
-        examples.append((resized_args, resized_kwargs,
-                         dataclasses.replace(padding, rows=size, bucket=size)))
+        resized_args, resized_kwargs, _ = padded_arguments(args, kwargs, keyed.tensors,
+                                                           padding, size)
+        examples.append((resized_args, resized_kwargs, dataclasses.replace(
+            padding, rows=size, bucket=size, shapes=shapes, stateful=stateful)))
     return examples

@@ -20,7 +20,7 @@ Python value that changes with the size are refused: that function runs eagerly,
 the output named. The user can name the dims (``bucket_outputs``), checked against each run.
 
 One ``BatchShapes`` serves a family of keys: those equal but for the padded size and the
-objects used by address (each bucket has its own KV cache), see ``family_key``.
+objects used by address (each bucket has its own KV cache), see ``_buckets.family_key``.
 """
 from __future__ import annotations
 
@@ -103,6 +103,11 @@ class BatchShapes:
         if size not in self.runs:
             self.runs[size] = [_as_evidence(leaf) for leaf in leaves]
             self._decided = None
+
+    @property
+    def decided(self) -> Optional[Dims]:
+        """The dims that follow the batch, once a ``decide`` found them."""
+        return self._decided
 
     def decide(self, rows: int, bucket: int) -> Decision:
         """Which dims to slice back to ``rows`` on a call replayed at ``bucket``."""
@@ -214,20 +219,3 @@ def real_rows(output: Tensor, dims: Tuple[int, ...], rows: int) -> Tensor:
     for d in dims:
         output = output.narrow(d, 0, rows)
     return output
-
-
-def family_key(key: Any) -> Any:
-    """``key`` (a bucketed key made with the bucket size replaced by one placeholder) without
-    the objects used by address or identity: keys of one function that differ only in the
-    batch size and in their per-bucket state (each bucket's own KV cache) share evidence.
-
-    >>> family_key(("bucket", -1, dims, (("address", 1234, meta), ("id", Cache, 99))))
-    ('bucket', -1, dims, (('address',), ('id', Cache)))
-    """
-    if type(key) is tuple:
-        if len(key) == 3 and key[0] == "address":
-            return ("address",)
-        if len(key) == 3 and key[0] == "id":
-            return ("id", key[1])
-        return tuple(family_key(child) for child in key)
-    return key

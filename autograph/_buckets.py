@@ -8,9 +8,10 @@ size >= B, its inputs padded, its outputs sliced back.
 
 By default the call's size is dim 0 of its first tensor, and every tensor whose dim 0 has that
 size is padded with zeros; ``bucket_args={"ids": 0, "mask": (0, pad)}`` names the arguments,
-dims and pad values instead. Outputs whose dim (that of the first padded tensor) has the
-bucket's size are sliced back to the call's size. The result is cached per call key, so a
-call pays for this once per distinct shape.
+dims and pad values instead. Which output dims are sliced back to the call's size is decided
+from the runs of the key's family (``_batch_dims``): keys equal but for the padded size and
+their per-bucket state. The result is cached per call key, so a call pays for this once per
+distinct shape.
 """
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ class Padding:
     rows: int  # the call's size
     bucket: int  # the capture size it replays
     dims: Tuple[Optional[Tuple[int, Any]], ...]  # per tensor: (dim, pad value), or None
-    out_dim: int  # outputs with this dim of the bucket's size are sliced back
+    # The output shapes of the key's family, by run size (which output dims follow the batch).
+    shapes: Any = dataclasses.field(default=None, compare=False)
+    # It has per-bucket state (an argument used by address, an object keyed by identity):
+    # every run of its function sees the padded arguments.
+    stateful: bool = False
 
     def padded_shape(self, tensor: Tensor, index: int) -> torch.Size:
         spec = self.dims[index]
@@ -71,7 +76,7 @@ class BucketRule:
         if bucket is None:
             return None, (f"its size {rows} is above the largest of buckets={list(self.buckets)}"
                           f"; add a larger bucket to graph it")
-        return Padding(rows, bucket, tuple(specs), dim), None
+        return Padding(rows, bucket, tuple(specs)), None
 
     def _specs(self, names: Sequence[str], args: tuple, kwargs: dict,
                tensors: Sequence[Tensor], addressed: Sequence[int]
@@ -144,3 +149,74 @@ def resized_examples(tensors: Sequence[Tensor], padding: Padding, size: int
             shape[dim] = size - t.shape[dim]
             made[i] = torch.cat([t, t.new_full(shape, pad)], dim)
     return made
+
+
+class _PerBucket:
+    """Stands in, in a family's key, for an object each bucket has its own of (a KV cache)."""
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is _PerBucket
+
+    def __hash__(self) -> int:
+        return hash(_PerBucket)
+
+
+# The size a family's key gives every padded dim: one family holds every bucket's keys.
+_ANY_SIZE = -1
+
+
+def family_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str],
+               static_names: Sequence[str], static_nums: Sequence[int],
+               padding: Padding) -> Tuple[Any, bool]:
+    """The key shared by a bucketed call's family (keys equal but for the padded size and the
+    objects used by address or identity, each bucket's own KV cache), and whether the call
+    has such per-bucket objects.
+
+    >>> family_key((ids, cache_of_4), {}, state, ["ids", "cache"], ("cache",), (), padding)
+    ((..., (torch.Size([-1, 16]), ...), ...), True)
+
+    Made by keying the call again with those objects replaced by one marker, so that no key
+    is ever decoded.
+    """
+    keyed = call_key(args, kwargs, state, names, static_names, static_nums)
+    per_bucket = {id(keyed.tensors[i]) for i in keyed.addressed}
+    per_bucket |= {id(obj) for obj in keyed.identities}
+    if not per_bucket:
+        resize = {i: (spec[0], _ANY_SIZE) for i, spec in enumerate(padding.dims)
+                  if spec is not None}
+        return call_key(args, kwargs, state, names, (), (), resize).key, False
+    leaves, rebuild = flatten_arguments((args, kwargs))
+    kept = iter(range(len(keyed.tensors)))
+    resize, index = {}, 0
+    replaced = []
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            spec = padding.dims[next(kept)]
+            if id(leaf) in per_bucket:
+                leaf = _PerBucket()
+            else:
+                if spec is not None:
+                    resize[index] = (spec[0], _ANY_SIZE)
+                index += 1
+        elif id(leaf) in per_bucket:
+            leaf = _PerBucket()
+        replaced.append(leaf)
+    family_args, family_kwargs = rebuild(replaced)
+    return call_key(family_args, family_kwargs, state, names, (), (), resize).key, True
+
+
+def padded_arguments(args: tuple, kwargs: dict, tensors: Sequence[Tensor], padding: Padding,
+                     size: int) -> Tuple[tuple, dict, Dict[int, Tensor]]:
+    """The call's arguments with each padded tensor resized to ``size`` rows
+    (``resized_examples``), and those tensors by index.
+
+    >>> args, kwargs, padded = padded_arguments((x,), {}, [x], padding, 4)   # x: 3 rows
+    >>> args[0].shape[0], list(padded)
+    (4, [0])
+    """
+    resized = resized_examples(tensors, padding, size)
+    leaves, rebuild = flatten_arguments((args, kwargs))
+    index = iter(range(len(tensors)))
+    new_args, new_kwargs = rebuild([resized.get(next(index), leaf)
+                                    if isinstance(leaf, Tensor) else leaf for leaf in leaves])
+    return new_args, new_kwargs, resized

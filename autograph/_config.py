@@ -95,6 +95,7 @@ class Options:
     strict: Optional[bool] = None
     buckets: Optional[Tuple[int, ...]] = None
     bucket_args: Optional[Tuple[Tuple[str, int, Any], ...]] = None
+    bucket_outputs: Any = None  # an int, or one entry per output leaf: int, ints or None
     static_argnames: Tuple[str, ...] = ()
     static_argnums: Tuple[int, ...] = ()
     verify: Optional[int] = None
@@ -105,6 +106,7 @@ class Options:
         set_ = functools.partial(object.__setattr__, self)
         set_("buckets", _buckets(self.buckets))
         set_("bucket_args", _bucket_args(self.bucket_args))
+        set_("bucket_outputs", _bucket_outputs(self.bucket_outputs))
         set_("static_argnames", _names(self.static_argnames, "static_argnames"))
         set_("static_argnums", _numbers(self.static_argnums, "static_argnums"))
         if self.verify is not None and (isinstance(self.verify, bool)
@@ -114,6 +116,9 @@ class Options:
         if self.bucket_args is not None and self.buckets is None:
             raise ValueError(f"bucket_args={dict((n, (d, p)) for n, d, p in self.bucket_args)!r}"
                              f" needs buckets=[...]: the sizes to pad to.")
+        if self.bucket_outputs is not None and self.buckets is None:
+            raise ValueError(f"bucket_outputs={self.bucket_outputs!r} needs buckets=[...]: it "
+                             f"names the output dims that follow the padded batch.")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
             raise ValueError(
                 f"warmup={self.warmup!r}: it must be an int >= 1, because the first call of a "
@@ -178,6 +183,25 @@ def _bucket_args(value: Any) -> Optional[Tuple[Tuple[str, int, Any], ...]]:
                              f"pad value), e.g. 0 or (0, -100).")
         specs.append((name, dim, pad))
     return tuple(specs)
+
+
+def _bucket_outputs(value: Any) -> Any:
+    """None, an int (that dim of every tensor output), or a tuple with one entry per output
+    leaf: None (returned whole), an int or a tuple of ints (its dims that follow the batch)."""
+    def is_dim(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool)
+
+    if value is None or is_dim(value):
+        return value
+    entries = list(value) if isinstance(value, (list, tuple)) else None
+    if entries is not None:
+        entries = [e if e is None or is_dim(e) else tuple(e)
+                   if isinstance(e, (list, tuple)) and all(map(is_dim, e)) else ... for e in entries]
+    if not entries or any(e is ... for e in entries):
+        raise ValueError(f"bucket_outputs={value!r}: give the output dim that follows the batch "
+                         f"(an int, e.g. 0), or one entry per output: an int, a tuple of ints, "
+                         f"or None for an output returned whole, e.g. [0, None].")
+    return tuple(entries)
 
 
 def _names(value: Any, option: str) -> Tuple[str, ...]:

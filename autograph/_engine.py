@@ -13,6 +13,7 @@ from the key lookup to the copy of the outputs (docs/design.md, "A call's life")
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import threading
@@ -22,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _config, _devices, _stats
-from ._buckets import BucketRule, Padding, bucket_key
+from ._buckets import BucketRule, Padding, bucket_key, family_key
 from ._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife
@@ -145,10 +146,15 @@ class Engine:
         else:
             padded = bucket_key(args, kwargs, state, names, options.static_argnames,
                                 options.static_argnums, padding)
+            family, stateful = family_key(args, kwargs, state, names, options.static_argnames,
+                                          options.static_argnums, padding)
+            padding = dataclasses.replace(padding, stateful=stateful,
+                                          shapes=cache.batch_shapes_of(family, options))
             route = (padded if options is self.options or options == self.options
                      else (padded, options), padding, None)
         if len(cache.routes) >= 4 * cache.max_keys:
             cache.routes.clear()
+            cache.batch_shapes.clear()
         cache.routes[key] = route
         return route
 

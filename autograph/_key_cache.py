@@ -16,6 +16,8 @@ import threading
 import weakref
 from typing import Any, Dict, List, Set, Tuple
 
+from ._batch_dims import BatchShapes
+from ._config import Options
 from ._islands import island_rows
 from ._key_life import KeyLife
 from ._pool import Pools
@@ -38,6 +40,8 @@ class KeyCache:
         self.entries: Dict[Any, KeyLife] = {}
         # Bucketed functions: call key -> (entry key, padding, reason to run eagerly).
         self.routes: Dict[Any, Any] = {}
+        # Bucketed functions: family key -> the output shapes of its runs (``_batch_dims``).
+        self.batch_shapes: Dict[Any, BatchShapes] = {}
         self.lock = threading.RLock()
         self.pools = Pools()
         self.said: set = set()  # notices given once per cache
@@ -79,6 +83,13 @@ class KeyCache:
                 if not watcher[1]:
                     watcher[0].detach()
                     del self._watchers[object_id]
+
+    def batch_shapes_of(self, family: Any, options: Options) -> BatchShapes:
+        """The output shapes seen so far of a bucketed family's runs."""
+        shapes = self.batch_shapes.get((family, options))
+        if shapes is None:
+            shapes = self.batch_shapes[(family, options)] = BatchShapes(options.bucket_outputs)
+        return shapes
 
     def graphs(self) -> int:
         return sum(e.graph is not None for e in self.entries.values())
@@ -125,6 +136,7 @@ class KeyCache:
                     entry.graph.release()
             self.entries.clear()
             self.routes.clear()
+            self.batch_shapes.clear()
             self.pools.clear()
             self.said.clear()
             self.dead_keys.clear()

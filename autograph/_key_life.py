@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ._bucket_runs import (capture_replay, first_padded_replay, run_call, slices_unknown,
+                           state_written)
 from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
@@ -86,8 +88,8 @@ class KeyLife:
     __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
                  "strict_error", "graph", "written", "uses_cudnn", "warmup_thread",
-                 "strong_identities", "identity_ids", "bucket", "sizes", "trains",
-                 "checks_left", "verified", "warmup_shapes", "groups", "island", "__weakref__")
+                 "strong_identities", "identity_ids", "bucket", "sizes", "trains", "checks_left",
+                 "verified", "padded_runs", "state_written", "groups", "island", "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -105,8 +107,9 @@ class KeyLife:
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
         self.identity_ids: List[int] = []  # ids of the objects it keys by identity
-        # The watched warmup's output shapes (buckets: which outputs follow the padded dim).
-        self.warmup_shapes: Optional[List[Any]] = None
+        # Buckets (``_bucket_runs``): its runs padded? The state its watched warmup wrote.
+        self.padded_runs = True
+        self.state_written: List[Tensor] = []
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
         # The process groups its warmup ran collectives on: their ranks agree on its capture.
@@ -128,7 +131,8 @@ class KeyLife:
         self.count(padding)
         graph = self.graph
         if graph is None or self.checks_left or torch_profiler._is_profiler_enabled \
-                or not self._may_replay(graph, tensors):
+                or not self._may_replay(graph, tensors) or padding is not None and \
+                graph.outputs.follows is None and padding.rows < padding.bucket:
             return MISS
         self.replays += 1
         if region is not None:
@@ -146,6 +150,9 @@ class KeyLife:
         key's life."""
         graph = self.graph
         if graph is not None and self._may_replay(graph, c.tensors):
+            padding = c.padding  # a bucket's first call with pad rows: probed (_bucket_runs)
+            if padding and graph.outputs.follows is None and padding.rows < padding.bucket:
+                return first_padded_replay(self, c)
             return self._observed_replay(c)
         if graph is not None:
             if graph.may_replay():  # shares written memory, or its graph is busy: eager
@@ -182,7 +189,7 @@ class KeyLife:
             self.backend.eager_stream(self.device)
         with eager_scope(self), profile_range("eager", self.function.name, self.label), \
                 streams:
-            return c.call(*c.args, **c.kwargs)
+            return run_call(self, c)
 
     def _warmup(self, c: Call) -> Any:
         self.eager_calls += 1
@@ -190,7 +197,7 @@ class KeyLife:
         with nested_calls(), profile_range("warmup", self.function.name, self.label), \
                 self.backend.eager_stream(self.device):
             if self.warmups + 1 < self.options.warmup:
-                outputs = c.call(*c.args, **c.kwargs)
+                outputs = run_call(self, c)
                 self.warmups += 1
                 return outputs
             outputs = self.watched_warmup(c)
@@ -204,17 +211,15 @@ class KeyLife:
         watch = CallWatch()
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
         with detector, watch, collectives:
-            outputs = c.call(*c.args, **c.kwargs)
+            outputs = run_call(self, c)
         if isinstance(collectives, CollectiveWatch):
             self.groups = collectives.groups
         self.warmups += 1
         self.uses_cudnn = detector.uses_cudnn
         self.warmup_thread = threading.get_ident()
         leaves = flatten_output(outputs)[0]
-        if c.padding is not None:
-            self.warmup_shapes = [c.padding.rows, [
-                tuple(o.shape) if isinstance(o, Tensor) else None for o in leaves]]
         self.written = watch.written_arguments(c.tensors)
+        self.state_written = [] if c.padding is None else state_written(c, watch)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in leaves):
             self.trains = True  # a closed-over parameter needs gradients
@@ -225,12 +230,14 @@ class KeyLife:
     def _capture(self, c: Call) -> Any:
         """Record the graph and replay it once for this call's result; MISS if it cannot be
         graphed (the key now runs eagerly)."""
+        if c.padding is not None and slices_unknown(c.padding):
+            return self.run_eagerly(c)  # which outputs to slice shows in this call's run
         graph = self.agreed_record(c)
         if graph is None:
             return MISS
-        self.replays += 1
-        with profile_range("replay", self.function.name, self.label):
-            outputs = graph.replay(c.tensors, c.padding, copy_in=False)
+        outputs, kept = capture_replay(self, c, graph)
+        if not kept:
+            return outputs
         graph.watch_reads()
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
@@ -257,7 +264,7 @@ class KeyLife:
         if c.cache.past_max_graphs(self):
             return None
         try:
-            graph: Optional[Graph] = self._record(c)
+            graph: Optional[Graph] = _record(self, c)
             failure = None
         except CaptureFailed as failed:
             graph, failure = None, failed.finding.message()
@@ -272,23 +279,6 @@ class KeyLife:
                 graph.release()
             self.fall_back(failure)
             return None
-        return graph
-
-    def _record(self, c: Call) -> Graph:
-        """Record the key's graph (nothing runs); ``CaptureFailed`` if it cannot be."""
-        label = f"{self.function.name}({self.label})"
-        pool = (c.region.pools if c.region is not None else c.cache.pools).get(
-            self.backend, self.device)
-        # The warmup's cuDNN ops made this thread's handle; another thread needs one made
-        # before its capture, and making it (a small convolution) costs a fraction of a second.
-        cudnn = self.uses_cudnn and self.warmup_thread != threading.get_ident()
-        request = CaptureRequest(c.call, c.args, c.kwargs, c.tensors, self.backend,
-                                 self.device, pool, self.options.outputs, label, self.function.roots(c),
-                                 cudnn, c.padding, c.addressed, self.warmup_shapes)
-        with nested_calls(), profile_range("capture", self.function.name, self.label):
-            graph = (TrainingGraph if self.trains else Graph).record(request)
-        logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
-                    graph.memory_bytes / 2**20)
         return graph
 
     def _invalidate(self) -> None:
@@ -332,3 +322,22 @@ class KeyLife:
             graph_bytes=graph.memory_bytes if graph else 0,
             fallback_reason=self.reason, bucket=self.bucket, sizes=dict(self.sizes) or None,
             verified=self.verified)
+
+
+def _record(life: KeyLife, c: Call) -> Graph:
+    """Record ``life``'s graph for the call ``c`` (nothing runs); ``CaptureFailed`` if it
+    cannot be."""
+    label = f"{life.function.name}({life.label})"
+    pool = (c.region.pools if c.region is not None else c.cache.pools).get(
+        life.backend, life.device)
+    # The warmup's cuDNN ops made this thread's handle; another thread needs one made
+    # before its capture, and making it (a small convolution) costs a fraction of a second.
+    cudnn = life.uses_cudnn and life.warmup_thread != threading.get_ident()
+    request = CaptureRequest(c.call, c.args, c.kwargs, c.tensors, life.backend, life.device,
+                             pool, life.options.outputs, label, life.function.roots(c), cudnn,
+                             c.padding, c.addressed)
+    with nested_calls(), profile_range("capture", life.function.name, life.label):
+        graph = (TrainingGraph if life.trains else Graph).record(request)
+    logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
+                graph.memory_bytes / 2**20)
+    return graph

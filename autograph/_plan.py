@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from ._batch_dims import real_rows
 from ._config import logger
 from ._outputs import flatten_arguments, flatten_output
 from ._reads import storage_ptr
@@ -184,35 +185,6 @@ class UnplannableOutput(ValueError):
     """An output the plan cannot rebuild on every call; the message says why and the fix."""
 
 
-def _follows_the_bucket(leaves: Sequence[Any], padding: Any,
-                        warmup_shapes: Optional[List[Any]]) -> List[bool]:
-    """Which outputs have the padded dimension, to slice back to a call's real rows.
-
-    The last warmup ran at its call's real size: an output whose dimension had that size then
-    and has the bucket's size now follows the bucket. Where the warmup ran at the bucket's
-    own size (or its outputs differ in number) an output follows when its dimension has the
-    bucket's size, which an unrelated dimension can equal by chance (README, Serving).
-    """
-    if padding is None:
-        return [False] * len(leaves)
-    dim, bucket = padding.out_dim, padding.bucket
-
-    def has_bucket_size(shape: Any) -> bool:
-        return len(shape) > dim and shape[dim] == bucket
-
-    shapes = [tuple(leaf.shape) if isinstance(leaf, Tensor) else None for leaf in leaves]
-    warm_rows = warmup_shapes[0] if warmup_shapes else None
-    if warm_rows is None or warm_rows == bucket or len(warmup_shapes[1]) != len(shapes):
-        return [s is not None and has_bucket_size(s) for s in shapes]
-    return [s is not None and w is not None and has_bucket_size(s) and len(w) > dim
-            and w[dim] == warm_rows for s, w in zip(shapes, warmup_shapes[1])]
-
-
-def _real_rows(output: Tensor, padding: Any) -> Tensor:
-    """A bucket's output sliced back to the call's real rows."""
-    return output.narrow(padding.out_dim, 0, padding.rows)
-
-
 def _poison(storages: List[Any], message: str) -> None:
     for storage in storages:
         torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
@@ -263,19 +235,21 @@ class OutputPlan:
     """How to turn the graph's outputs into this call's return value."""
 
     def __init__(self, result: Any, statics: Sequence[Tensor], policy: str, label: str,
-                 pool: Any = None, given: Sequence[Any] = (), padding: Any = None,
-                 warmup_shapes: Optional[List[Any]] = None):
+                 pool: Any = None, given: Sequence[Any] = (), padding: Any = None):
         leaves, self.rebuild = flatten_output(result, given)
         input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
         padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
                                                  if spec is not None}
-        follows = _follows_the_bucket(leaves, padding, warmup_shapes)
         self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView or _Constant
         self.owned: List[Tensor] = []
-        self.follows: List[bool] = []  # per owned output: sliced back to a call's real rows
+        # Buckets: the capture's output leaves (evidence of which dims follow the batch), and
+        # per owned output the dims sliced back to a call's real rows, once decided.
+        self.captured_leaves = leaves
+        self.follows: Optional[List[Tuple[int, ...]]] = None
+        self._owned_leaves: List[int] = []  # the leaf index of each owned output
         storages = set()
         self.shared = False
-        for leaf, leaf_follows in zip(leaves, follows):
+        for leaf in leaves:
             if not isinstance(leaf, Tensor):
                 self.plan.append(_Constant(leaf))
                 continue
@@ -296,7 +270,7 @@ class OutputPlan:
                 self.shared |= leaf.numel() > 0 and storage_ptr(leaf) in storages
                 storages.add(storage_ptr(leaf))
                 self.owned.append(leaf)
-                self.follows.append(leaf_follows)
+                self._owned_leaves.append(len(self.plan) - 1)
         self.only_owned = all(type(p) is _Owned for p in self.plan)
         self.static = (policy == "static" and _CAN_POISON and bool(self.owned)
                        and self.owned[0].is_cuda)
@@ -360,15 +334,20 @@ class OutputPlan:
         if self.static:
             _poison(self.handed_out, self.released_message)
 
+    def slice_dims(self, dims: Optional[Sequence[Tuple[int, ...]]]) -> None:
+        """Slice these dims of each output leaf (``_batch_dims``) back to a call's rows; None
+        while undecided (only calls of the bucket's own size may then replay)."""
+        self.follows = None if dims is None else [dims[leaf] for leaf in self._owned_leaves]
+
     def produce(self, tensors: Sequence[Tensor], padding: Any = None) -> Any:
         if padding is None or padding.rows == padding.bucket:
             owned = self._aliases() if self.static else self._copies()
         elif self.static or self.shared:
-            owned = [_real_rows(o, padding) if follows else o for o, follows in
+            owned = [real_rows(o, dims, padding.rows) for o, dims in
                      zip(self._aliases() if self.static else self._copies(), self.follows)]
         else:  # only the real rows are copied
-            owned = [(_real_rows(o, padding) if follows else o).clone()
-                     for o, follows in zip(self.owned, self.follows)]
+            owned = [real_rows(o, dims, padding.rows).clone()
+                     for o, dims in zip(self.owned, self.follows)]
         return self.assemble(owned, tensors)
 
     def assemble(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,7 +83,6 @@ class CaptureRequest:
     uses_cudnn: bool = False
     padding: Any = None  # a bucket's Padding, or None
     addressed: Sequence[int] = ()  # arguments used by address (static_argnames)
-    warmup_shapes: Optional[List[Any]] = None  # the watched warmup's output shapes (buckets)
 
     @property
     def rows(self) -> Optional[int]:
@@ -147,7 +146,7 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
             del capture
             raise error
         outputs = OutputPlan(capture.outputs, inputs.statics, request.policy, request.label,
-                             request.pool, given, request.padding, request.warmup_shapes)
+                             request.pool, given, request.padding)
     except UnplannableOutput as unplannable:
         survey.restore_grads()
         raise refused(str(unplannable)) from None

@@ -21,9 +21,11 @@ cannot tell a neutral pad value from a lucky one.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+
+from ._undo import _generator_states as generator_states
 
 Tensor = torch.Tensor
 
@@ -35,14 +37,29 @@ def _fill_pad_with_real_rows(static: Tensor, dim: int, rows: int) -> None:
         static.narrow(dim, start, length).copy_(static.narrow(dim, 0, length))
 
 
-def _saved(tensors: Sequence[Tensor]) -> List[Tuple[torch.UntypedStorage, torch.UntypedStorage]]:
-    """Copies of the whole storages of ``tensors`` (each once: views share one)."""
-    saved: Dict[int, Tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in saved:
-            saved[storage.data_ptr()] = (storage, storage.clone())
-    return list(saved.values())
+class SavedState:
+    """Copies of the whole storages of ``tensors`` (each once: views share one) and of the
+    random generators' states, to put back with ``restore()``.
+
+    >>> before = SavedState([static, cache])
+    >>> before.restore()
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]):
+        saved: Dict[int, Tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in saved:
+                saved[storage.data_ptr()] = (storage, storage.clone())
+        self.storages = list(saved.values())
+        self.generators = generator_states()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for storage, before in self.storages:
+                storage.copy_(before)
+        for generator, state in self.generators:
+            generator.set_state(state)
 
 
 def _first_difference(first: Sequence[Tensor], second: Sequence[Tensor],
@@ -61,28 +78,31 @@ def _first_difference(first: Sequence[Tensor], second: Sequence[Tensor],
 def mixes_rows(replay: Callable[[], Sequence[Tensor]],
                padded: Sequence[Tuple[Tensor, int]], rows: int,
                written: Sequence[Tensor], first: Sequence[Tensor],
-               dims: Sequence[Tuple[int, ...]]) -> Optional[str]:
+               dims: Sequence[Tuple[int, ...]], before: Optional[SavedState] = None
+               ) -> Optional[str]:
     """Why the graph's real rows depend on its pad rows, or None.
 
     ``replay`` replays the graph and returns its owned outputs (its own buffers); ``padded``
     the static inputs padded to the bucket, with the dim of each; ``written`` the tensors the
     graph writes (static arguments used by address, state read by address and written);
     ``first`` copies of the owned outputs of the call's own replay; ``dims`` per output, those
-    that follow the batch.
+    that follow the batch; ``before`` the inputs, the written state and the generators as
+    they were before that replay (a function that writes its state, or draws random numbers,
+    must see them as the first replay did).
     """
     if not padded or all(static.shape[dim] <= rows for static, dim in padded):
         return None
-    saved = _saved([static for static, _ in padded] + list(written))
+    after = SavedState([static for static, _ in padded] + list(written))
     try:
+        if before is not None:
+            before.restore()
         with torch.no_grad():
             for static, dim in padded:
                 _fill_pad_with_real_rows(static, dim, rows)
         second = replay()
         changed = _first_difference(first, second, dims, rows)
     finally:
-        with torch.no_grad():
-            for storage, before in saved:
-                storage.copy_(before)
+        after.restore()
     if changed is None:
         return None
     return (f"output {changed} (its real rows) changed when the pad rows did: it mixes rows "

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from autograph._batch_dims import BatchShapes, family_key, named_dims, real_rows
+from autograph._batch_dims import BatchShapes, named_dims, real_rows
+from autograph._buckets import BucketRule, family_key
+from autograph._keys import call_key
 
 
 def shapes_of(runs, named=None):
@@ -97,9 +99,15 @@ def test_real_rows_narrows_every_dim_that_follows():
 
 
 def test_keys_of_one_function_differ_only_in_their_per_bucket_state_share_a_family():
-    meta = (torch.Size([4, 2]), (2, 1), torch.float32, "cpu", False)
-    one = ("bucket", -1, ((0, 0),), (("address", 111, meta), ("id", dict, 5), meta))
-    other = ("bucket", -1, ((0, 0),), (("address", 222, meta), ("id", dict, 6), meta))
-    assert family_key(one) == family_key(other)
-    assert family_key(one) != family_key(("bucket", -1, ((0, 0),), (meta, ("id", dict, 5),
-                                                                     meta)))
+    def family(x, cache, rows=None):
+        rule = BucketRule((4, 8), None)
+        keyed = call_key((x, cache), {}, (), ["x", "cache"], ("cache",), ())
+        padding, _ = rule.padding(["x", "cache"], (x, cache), {}, keyed.tensors,
+                                  keyed.addressed)
+        return family_key((x, cache), {}, (), ["x", "cache"], ("cache",), (), padding)
+
+    four, eight = torch.zeros(4, 2), torch.zeros(8, 2)
+    assert family(torch.ones(3, 2), four) == family(torch.ones(7, 2), eight)
+    assert family(torch.ones(3, 2), four)[1] is True       # it has per-bucket state
+    assert family(torch.ones(3, 2), four) != family(torch.ones(3, 5), four)   # other width
+    assert family(torch.ones(3, 2), four) != family(torch.ones(3, 2, dtype=torch.int64), four)

@@ -17,20 +17,33 @@ def test_calls_replay_the_graph_of_their_bucket_with_outputs_sliced_back(device)
     @autograph.graphed(buckets=[1, 2, 4, 8])
     def scores(x, w):
         python_runs.append(x.shape[0])
-        return torch.relu(x @ w), (x @ w).sum()
+        return torch.relu(x @ w), (x @ w).sum(1)
 
     w = torch.randn(5, 3, device=device)
     for n in (3, 4, 3, 3, 1, 1, 1, 4):
         x = torch.randn(n, 5, device=device)
         out, total = scores(x, w)
         assert out.shape == (n, 3) and torch.allclose(out, torch.relu(x @ w))
-        assert torch.allclose(total, (x @ w).sum())     # zero rows add nothing
+        assert total.shape == (n,) and torch.allclose(total, (x @ w).sum(1))
     assert python_runs == [3, 4, 1, 1]      # warmups run the real size, captures the bucket
     assert by_bucket(scores) == [(1, "graphed", 3, 2, {1: 3}),
                                  (4, "graphed", 5, 4, {3: 3, 4: 2})]
     row = [r for r in scores.stats() if r.bucket == 4][0]
     assert row.key.startswith(f"x: f32[4, 5] {device_label(device)}")
     assert row.padding_waste == pytest.approx(4 * 5 / 17 - 1)
+
+
+def test_a_sum_over_the_padded_batch_runs_eagerly_with_the_reason(device, caught):
+    @autograph.graphed(buckets=[4])
+    def total(x, w):
+        return (x @ w).sum()        # zero pad rows add nothing, but the probe cannot know
+
+    w = torch.randn(5, 3, device=device)
+    for _ in range(3):
+        x = torch.randn(3, 5, device=device)
+        assert torch.allclose(total(x, w), (x @ w).sum())
+    row, = total.stats()
+    assert row.state == "eager" and "mixes rows" in row.fallback_reason
 
 
 def test_calls_above_the_largest_bucket_run_eagerly_and_say_so_once(device, caught):
@@ -51,27 +64,32 @@ def test_in_place_writes_reach_only_the_callers_real_rows(device):
     @autograph.graphed(buckets=[4])
     def bump(counts, x):
         counts.add_(x)
-        return counts.sum()
+        return counts * 2
 
     for _ in range(3):
         counts = torch.zeros(3, device=device)
-        total = bump(counts, torch.ones(3, device=device))
-        assert torch.equal(counts, torch.ones(3, device=device)) and total.item() == 3
+        doubled = bump(counts, torch.ones(3, device=device))
+        assert torch.equal(counts, torch.ones(3, device=device))
+        assert torch.equal(doubled, torch.full((3,), 2.0, device=device))
     assert by_bucket(bump) == [(4, "graphed", 3, 2, {3: 3})]
 
 
 def test_explicit_bucket_args_pad_with_their_values(device):
-    @autograph.graphed(buckets=[8], bucket_args={"ids": 0, "mask": (0, -1)})
-    def masked(ids, mask, scale):
-        return ids * (mask > 0), (mask < 0).sum(), scale * 2
+    @autograph.graphed(buckets=[8], bucket_args={"ids": 0, "mask": (0, -1)},
+                       static_argnames=("seen",), bucket_outputs=[0, None])
+    def masked(ids, mask, scale, seen):
+        seen.copy_(mask)            # per-bucket state: every run sees the padded arguments
+        return ids * (mask > 0), scale * 2
 
     scale = torch.ones(5, device=device)          # dim 0 of 5, but not named: not padded
+    seen = torch.zeros(8, dtype=torch.long, device=device)
     for _ in range(3):
         ids = torch.arange(5, device=device)
         mask = torch.ones(5, dtype=torch.long, device=device)
-        out, padded_rows, doubled = masked(ids, mask, scale)
+        seen.zero_()
+        out, doubled = masked(ids, mask, scale, seen)
         assert torch.equal(out, ids) and doubled.shape == (5,)
-    assert padded_rows.item() == 3                  # the three pad rows hold -1
+        assert seen.tolist() == [1] * 5 + [-1] * 3      # the three pad rows hold -1
     assert by_bucket(masked)[0][:4] == (8, "graphed", 3, 2)
 
 
@@ -130,15 +148,29 @@ def test_capture_ahead_of_time_captures_every_bucket_and_leaves_no_effect(device
 
 def test_an_output_whose_size_only_equals_the_bucket_is_not_sliced(device):
     @autograph.graphed(buckets=[4, 8])
+    def transposed(x):
+        return x.t() * 2, x * 2         # hidden size 4 equals a bucket; the batch is dim 0 of x
+
+    for _ in range(4):
+        x = torch.randn(3, 4, device=device)
+        flipped, doubled = transposed(x)
+        assert flipped.shape == (4, 3) and torch.equal(flipped, x.t() * 2)
+        assert torch.equal(doubled, x * 2)
+    assert by_bucket(transposed)[0][:4] == (4, "graphed", 4, 3)
+
+
+def test_a_sum_over_the_batch_of_the_buckets_size_runs_eagerly_with_the_reason(device, caught):
+    @autograph.graphed(buckets=[4, 8])
     def pooled(x):
-        return x.sum(0), x * 2          # hidden size 4 equals a bucket; the batch is dim 0
+        return x.sum(0), x * 2          # (4,): the hidden size, and a sum over the batch
 
     for _ in range(4):
         x = torch.randn(3, 4, device=device)
         total, doubled = pooled(x)
         assert total.shape == (4,) and torch.allclose(total, x.sum(0))
         assert torch.equal(doubled, x * 2)
-    assert by_bucket(pooled)[0][:4] == (4, "graphed", 4, 3)
+    row, = pooled.stats()
+    assert row.state == "eager" and "mixes rows" in row.fallback_reason
 
 
 def test_an_expanded_argument_that_is_not_padded(device):

@@ -2,18 +2,13 @@
 sees the padded arguments, outputs are sliced back only where evidence shows that their dim
 follows the batch, and functions whose real rows change with the padding are caught.
 
-Each test fails on the engine of 70aa60d and is marked ``xfail(strict=True)`` until the
-wiring of ``autograph/_batch_dims.py`` lands: a test that starts passing then fails the suite,
-which says to remove its mark."""
+Each test failed on the engine of 70aa60d (issue 22); the wiring of ``_batch_dims``,
+``_row_mixing`` and ``_bucket_runs`` makes them pass."""
 import pytest
 import torch
 
 import autograph
 from conftest import states
-
-
-def issue_22(what):
-    return pytest.mark.xfail(strict=True, reason=f"issue 22: {what}")
 
 
 def by_bucket(fn):
@@ -22,11 +17,10 @@ def by_bucket(fn):
 
 # ---- (a) per-bucket state passed by static_argnames sees the padded arguments ----
 
-@issue_22("warmups run at the caller's size, the graph at the bucket's")
 def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
     seen = []
 
-    @autograph.graphed(buckets=[4, 8], static_argnames=("cache",))
+    @autograph.graphed(buckets=[4, 8], static_argnames=("cache",), bucket_outputs=0)
     def store(x, cache):
         seen.append((x.shape[0], cache.shape[0]))
         assert x.shape[0] == cache.shape[0], "per-bucket state of another size"
@@ -46,11 +40,10 @@ def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
     assert by_bucket(store) == [(4, "graphed", 4, 3), (8, "graphed", 3, 2)]
 
 
-@issue_22("the eager calls of a bucketed key run at the caller's size")
 def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caught):
     seen = []
 
-    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    @autograph.graphed(buckets=[4], static_argnames=("cache",), bucket_outputs=0)
     def store(x, cache):
         seen.append(x.shape[0])
         cache[:x.shape[0]] = x
@@ -63,7 +56,7 @@ def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caug
         x = torch.randn(3, 2, device=device)
         assert torch.equal(store(x, cache), x * 3)
         assert torch.equal(cache[:3], x)
-    assert seen == [4, 4, 4, 4]
+    assert seen == [4] * 5      # four calls, and the capture that found .item()
     row, = store.stats()
     assert row.state == "eager" and ".item()" in row.fallback_reason
 
@@ -79,7 +72,6 @@ def _tiny_llama(device):
     return transformers, config, transformers.LlamaForCausalLM(config).to(device).eval()
 
 
-@issue_22("a StaticCache of the bucket's rows meets a warmup of the caller's rows")
 def test_hf_llama_decodes_with_one_static_cache_per_bucket(device):
     transformers, config, model = _tiny_llama(device)
     buckets, prompt_len, decode_steps, max_len = [1, 2, 4, 8], 4, 4, 16
@@ -121,7 +113,6 @@ def test_hf_llama_decodes_with_one_static_cache_per_bucket(device):
 
 # ---- (c) outputs are sliced only where their dim follows the batch ----
 
-@issue_22("outputs are sliced in dim 0 only, when it has the bucket's size")
 def test_an_output_whose_batch_is_not_in_dim_0_is_sliced_there(device):
     @autograph.graphed(buckets=[4, 8])
     def twice(x):
@@ -131,10 +122,9 @@ def test_an_output_whose_batch_is_not_in_dim_0_is_sliced_there(device):
         x = torch.randn(n, 5, device=device)
         out = twice(x)
         assert out.shape == (2, n, 5) and torch.equal(out, torch.stack([x, x]))
-    assert by_bucket(twice) == [(4, "graphed", 4, 2)]
+    assert by_bucket(twice) == [(4, "graphed", 4, 3)]   # a warmup, the capture's replay, 2
 
 
-@issue_22("with bucket_args in dim 1, an output of the batch in its dim 0 comes back padded")
 def test_bucket_args_in_dim_1_slice_the_outputs_that_follow_it(device):
     @autograph.graphed(buckets=[4, 8], bucket_args={"x": 1})
     def column_sums(x):
@@ -145,10 +135,9 @@ def test_bucket_args_in_dim_1_slice_the_outputs_that_follow_it(device):
         x = torch.randn(6, 3, device=device)
         out = column_sums(x)
         assert out.shape == (3,) and torch.allclose(out, (x * 2).sum(0))
-    assert by_bucket(column_sums) == [(4, "graphed", 4, 2)]
+    assert by_bucket(column_sums) == [(4, "graphed", 4, 3)]
 
 
-@issue_22("a first call at the bucket's own size makes every dim of that size look batched")
 def test_an_output_that_only_equals_the_bucket_after_a_call_at_the_buckets_size(device):
     @autograph.graphed(buckets=[4, 8])
     def project(x, w):
@@ -164,7 +153,6 @@ def test_an_output_that_only_equals_the_bucket_after_a_call_at_the_buckets_size(
     assert row.state == "graphed" and row.replays >= 2
 
 
-@issue_22("keys made by capture() slice every dim of the bucket's size")
 def test_keys_made_by_capture_slice_only_what_follows_the_batch(device):
     @autograph.graphed(buckets=[4, 8])
     def project(x, w):
@@ -185,14 +173,13 @@ def test_keys_made_by_capture_slice_only_what_follows_the_batch(device):
 def _eager_with_the_reason_or_right(fn):
     """Every call was already checked against eager; here: the key ran eagerly with a reason,
     or it replayed its graph (made right)."""
-    row, = fn.stats()
+    row, = autograph.stats(fn)
     if row.state == "eager":
         assert row.fallback_reason
     else:
         assert row.state == "graphed" and row.replays >= 2
 
 
-@issue_22("a mean over the padded batch divides by the bucket's size")
 def test_a_mean_over_the_batch_is_eager_with_the_reason_or_right(device):
     @autograph.graphed(buckets=[4])
     def centre(x):
@@ -205,7 +192,6 @@ def test_a_mean_over_the_batch_is_eager_with_the_reason_or_right(device):
     _eager_with_the_reason_or_right(centre)
 
 
-@issue_22("batch norm's batch statistics and running statistics count the pad rows")
 def test_batch_norm_in_train_mode_is_eager_with_the_reason_or_right(device):
     norm = torch.nn.BatchNorm1d(5).to(device).train()
     reference = torch.nn.BatchNorm1d(5).to(device).train()
@@ -220,7 +206,6 @@ def test_batch_norm_in_train_mode_is_eager_with_the_reason_or_right(device):
     _eager_with_the_reason_or_right(graphed)
 
 
-@issue_22("a size read in Python and returned is the bucket's")
 def test_a_returned_batch_size_is_eager_with_the_reason_or_right(device):
     @autograph.graphed(buckets=[4])
     def with_size(x):
@@ -235,7 +220,6 @@ def test_a_returned_batch_size_is_eager_with_the_reason_or_right(device):
 
 # ---- (e) verify checks the capture call's own (padded) result ----
 
-@issue_22("verify=n starts checking at the replay after the capture call")
 def test_verify_checks_the_result_of_the_capture_call_of_a_bucketed_key(device, caught):
     results = []
 
@@ -250,3 +234,29 @@ def test_verify_checks_the_result_of_the_capture_call_of_a_bucketed_key(device, 
         torch.testing.assert_close(got, expected)
     row, = centre.stats()
     assert row.state == "eager" and row.fallback_reason
+
+
+# ---- decision 3: per-bucket state whose output dims one padded run cannot tell ----
+
+def test_per_bucket_state_with_undecided_outputs_raises_naming_the_fixes(device):
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def store(x, cache):
+        cache[:x.shape[0]] = x
+        return x + 1
+
+    cache = torch.zeros(4, 5, device=device)
+    with pytest.raises(ValueError, match="bucket_outputs=.*capture"):
+        store(torch.randn(3, 5, device=device), cache)
+    assert states(store) == [("warmup", 1, 1, 0)]
+
+
+def test_random_outputs_are_not_taken_for_rows_that_mix(device):
+    @autograph.graphed(buckets=[4])
+    def noisy(x):
+        return x * 2 + torch.rand_like(x)
+
+    for _ in range(4):
+        x = torch.randn(3, 5, device=device)
+        out = noisy(x)
+        assert out.shape == (3, 5) and ((out - x * 2) >= 0).all() and ((out - x * 2) < 1).all()
+    assert states(noisy) == [("graphed", 4, 1, 3)]

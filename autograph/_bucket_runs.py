@@ -1,0 +1,177 @@
+"""The runs of a bucketed key (docs/design.md, "Buckets"): which arguments its function sees, which
+output dims come back sliced, and the probe of its graph's first replay with pad rows.
+
+>>> outputs = run_call(life, c)                        # a warmup or eager run of the key
+>>> outputs, kept = capture_replay(life, c, graph)     # the capture call's replay, probed
+
+A key with per-bucket state (an argument used by address, an object keyed by identity: each
+bucket's own KV cache) runs its function on the padded arguments in every phase, so that the
+state always meets arguments of its own size; its outputs are sliced back to the call's rows
+and the real rows of the arguments it wrote copied back. Any other key runs its warmups and
+eager calls as called: the user's own call, always right, and evidence of its output shapes at
+a second size. Every run notes its output shapes in the family's ``BatchShapes``
+(``_batch_dims``), which decides the dims that follow the batch; a function whose outputs
+cannot be sliced back is refused and runs eagerly, as called, from then on.
+
+A graph's first replay with pad rows is replayed once more with other pad rows
+(``_row_mixing``): if its real rows change, the function mixes rows (a mean over the batch),
+its effects are taken back, and the key runs eagerly. Until that replay, calls with pad rows
+do not replay (``KeyLife.serve`` checks ``graph.outputs.follows``).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import torch
+
+from ._batch_dims import real_rows
+from ._buckets import padded_arguments
+from ._outputs import flatten_output
+from ._profile import profile_range
+from ._reads import storage_ptr
+from ._row_mixing import SavedState, mixes_rows
+
+Tensor = torch.Tensor
+
+
+def run_call(life: Any, c: Any) -> Any:
+    """Run the function of ``life``'s key (``_key_life.KeyLife``) for the call ``c`` as its
+    warmups and eager calls do: padded where it has per-bucket state, else as called."""
+    padding = c.padding
+    if padding is None:
+        return c.call(*c.args, **c.kwargs)
+    if padding.stateful and life.padded_runs and padding.rows != padding.bucket:
+        return _padded_run(life, c)
+    outputs = c.call(*c.args, **c.kwargs)
+    padding.shapes.note(padding.rows, flatten_output(outputs)[0])
+    refused = padding.shapes.decide(padding.rows, padding.bucket).refused
+    if refused is not None and life.reason is None:
+        refuse(life, refused)
+    return outputs
+
+
+def _padded_run(life: Any, c: Any) -> Any:
+    """The call run on its arguments padded to the bucket, its outputs sliced back."""
+    padding = c.padding
+    rows, bucket = padding.rows, padding.bucket
+    # Normal tensors even under inference_mode: their version counters show what it wrote.
+    with torch.inference_mode(False):
+        args, kwargs, padded = padded_arguments(c.args, c.kwargs, c.tensors, padding, bucket)
+    versions = {i: t._version for i, t in padded.items()}
+    outputs = c.call(*args, **kwargs)
+    leaves, rebuild = flatten_output(outputs)
+    padding.shapes.note(bucket, leaves)
+    decision = padding.shapes.decide(rows, bucket)
+    if decision.dims is None:
+        if decision.refused is not None:
+            refuse(life, decision.refused)
+        raise ValueError(
+            f"{life.function.name}({life.label}): a call of {rows} rows ran padded to its "
+            f"bucket of {bucket}, as every run of a key with per-bucket state (an argument "
+            f"used by address or by identity, such as a KV cache) does, and its outputs "
+            f"cannot be sliced back to {rows} rows: "
+            + (f"{decision.refused}. It now runs eagerly on the arguments as given."
+               if decision.refused is not None else
+               f"{decision.undecided}. Name the output dims that follow the batch with "
+               f"bucket_outputs= (bucket_outputs=0: dim 0 of every tensor output), or run "
+               f"{life.function.name}.capture(...) at start-up, whose runs at every "
+               f"bucket's size show them."))
+    with torch.no_grad():
+        for i, t in padded.items():
+            if t._version != versions[i]:
+                c.tensors[i].copy_(t.narrow(padding.dims[i][0], 0, rows))
+    return rebuild([real_rows(leaf, dims, rows) if isinstance(leaf, Tensor) else leaf
+                    for leaf, dims in zip(leaves, decision.dims)])
+
+
+def refuse(life: Any, reason: str) -> None:
+    """Run ``life``'s key eagerly, as called, from now on: padding would make it wrong."""
+    life.padded_runs = False
+    life.fall_back(reason, raise_now=False)
+
+
+def slices_unknown(padding: Any) -> bool:
+    """Whether a capture call with pad rows should run eagerly instead: its bucket's size has
+    run already, and which output dims to slice back is still unknown (its run shows it)."""
+    return padding.rows != padding.bucket and padding.bucket in padding.shapes.runs \
+        and padding.shapes.decide(padding.rows, padding.bucket).dims is None
+
+
+def state_written(c: Any, watch: Any) -> List[Tensor]:
+    """The tensors a watched run (``_reads.CallWatch``) wrote that are not copied into a
+    graph's statics: state read by address, arguments used by address."""
+    copied = {storage_ptr(t) for i, t in enumerate(c.tensors) if i not in c.addressed}
+    return [t for ptr, t in watch.external.items() if ptr in watch.written and ptr not in copied]
+
+
+def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
+    """The capture call's own replay of ``graph``: (outputs, whether the graph is kept). For a
+    bucket, the captured output shapes are noted first, and a replay with pad rows probed."""
+    padding = c.padding
+    if padding is not None and not _note_capture(life, graph, padding):
+        return life.run_eagerly(c), False
+    if padding is not None and padding.rows != padding.bucket:
+        return probed_replay(life, c, graph, copy_in=False)
+    life.replays += 1
+    with profile_range("replay", life.function.name, life.label):
+        return graph.replay(c.tensors, padding, copy_in=False), True
+
+
+def _note_capture(life: Any, graph: Any, padding: Any) -> bool:
+    """Note the captured outputs' shapes at the bucket's size; False, the graph released, if
+    they show that its outputs cannot be sliced back (the key is eager from now on), or if
+    which to slice is still unknown for this call's rows (an eager run will show it)."""
+    padding.shapes.note(padding.bucket, graph.outputs.captured_leaves)
+    decision = padding.shapes.decide(padding.rows, padding.bucket)
+    if decision.dims is not None:
+        return True
+    graph.release()
+    if decision.refused is not None:
+        refuse(life, decision.refused)
+    return False
+
+
+def first_padded_replay(life: Any, c: Any) -> Any:
+    """A call with pad rows to a graph that has not replayed with pad rows yet: probed, or
+    run eagerly while the dims to slice are unknown (its run shows them)."""
+    decision = c.padding.shapes.decide(c.padding.rows, c.padding.bucket)
+    if decision.dims is None:
+        return life.run_eagerly(c)
+    outputs, kept = probed_replay(life, c, life.graph, copy_in=True)
+    if kept:
+        c.note(life, "replays")
+    return outputs
+
+
+def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bool]:
+    """Replay ``graph`` for the call ``c``, then once more with other pad rows: (outputs,
+    True); or, if its real rows changed, take the replay back, release the graph and run the
+    call eagerly (the key is eager from now on): (outputs, False)."""
+    padding = c.padding
+    rows, plan = padding.rows, graph.outputs
+    plan.slice_dims(padding.shapes.decided)
+    if copy_in:
+        graph.inputs.copy_in(c.tensors, rows)
+    statics = graph.inputs.statics
+    padded = [(statics[i], spec[0]) for i, spec in enumerate(padding.dims) if spec is not None]
+    written = [statics[i] for i in graph.mutated] + life.state_written
+    before = SavedState([s for s, _ in padded] + written)
+    callers = SavedState([c.tensors[i] for i in graph.mutated])  # written back by the replay
+    life.replays += 1
+    with profile_range("replay", life.function.name, life.label):
+        outputs = graph.replay(c.tensors, padding, copy_in=False)
+    first = [o.clone() for o in plan.owned]
+
+    def replay_owned() -> Any:
+        graph.graph.replay()
+        return plan.owned
+
+    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before)
+    if finding is None:
+        return outputs, True
+    before.restore()
+    callers.restore()
+    life.replays -= 1
+    graph.release()
+    refuse(life, finding)
+    return life.run_eagerly(c), False
