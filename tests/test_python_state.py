@@ -132,6 +132,24 @@ def test_a_tensor_an_object_holds_is_not_kept_alive_by_a_snapshot():
     assert state.changes() == []
 
 
+def test_a_nan_that_stays_a_nan_is_no_change():
+    # NaN != NaN: an argument's NaN (the same object) or a new NaN stored on every call would
+    # otherwise make every key with a NaN eager.
+    holder = types.SimpleNamespace(real=float("nan"), pair=complex(float("nan"), 1.0))
+
+    def step(x, c):
+        holder.real = float("nan")
+        holder.pair = complex(float("nan"), 1.0)
+        return x + abs(c)
+
+    nan = complex(float("nan"), 0.0)
+    state = state_of(step, args=(torch.ones(1), nan))
+    step(torch.ones(1), nan)
+    assert state.changes() == []
+    holder.pair = complex(float("nan"), 2.0)
+    assert state.changes() == ["holder.pair: (nan+1j) -> (nan+2j)"]
+
+
 def test_dict_keys_that_are_parameters_are_named_by_their_module_path():
     model = torch.nn.Linear(2, 1, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
