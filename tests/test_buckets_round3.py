@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autograph
-from conftest import states
+from conftest import python_run_log, states
 
 
 def issue_22(what):
@@ -24,11 +24,12 @@ def by_bucket(fn):
 
 @issue_22("warmups run at the caller's size, the graph at the bucket's")
 def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
-    seen = []
+    log_run = python_run_log()
+    seen = log_run.runs
 
     @autograph.graphed(buckets=[4, 8], static_argnames=("cache",))
     def store(x, cache):
-        seen.append((x.shape[0], cache.shape[0]))
+        log_run((x.shape[0], cache.shape[0]))
         assert x.shape[0] == cache.shape[0], "per-bucket state of another size"
         cache[:x.shape[0]] = x * 2
         return x + 1
@@ -48,11 +49,12 @@ def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
 
 @issue_22("the eager calls of a bucketed key run at the caller's size")
 def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caught):
-    seen = []
+    log_run = python_run_log()
+    seen = log_run.runs
 
     @autograph.graphed(buckets=[4], static_argnames=("cache",))
     def store(x, cache):
-        seen.append(x.shape[0])
+        log_run(x.shape[0])
         cache[:x.shape[0]] = x
         if x.sum().item() > 1e9:       # a host read: this key runs eagerly
             return x * 0
