@@ -23,9 +23,11 @@ from ._key_cache import KeyCache
 from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
 from ._keys import call_key
 from ._progress import progress
+from ._python_state import PythonState, per_call_reason
 from ._scope import current_region, nested_calls
 from ._stats import KeyStats
 from ._undo import UndoWrites
+from ._warn import warn_user
 
 Tensor = torch.Tensor
 
@@ -74,20 +76,50 @@ def _capture_key(life: KeyLife, c: Call) -> None:
     if life.graph is not None or life.phase not in (WARMUP, CAPTURE) \
             or c.cache.past_max_graphs(life):
         return
-    undo = UndoWrites()
+    roots = life.function.roots(c)
+    before = PythonState.of(roots, life.function.fn, restorable=True)
     try:
-        with nested_calls(), undo, life.backend.eager_stream(life.device):
-            while life.warmups < life.options.warmup - 1:
-                c.call(*c.args, **c.kwargs)
-                life.warmups += 1
-            life.watched_warmup(c)
+        undo = UndoWrites()
+        try:
+            with nested_calls(), undo, life.backend.eager_stream(life.device):
+                while life.warmups < life.options.warmup - 1:
+                    c.call(*c.args, **c.kwargs)
+                    life.warmups += 1
+                life.watched_warmup(c)
+        finally:
+            undo.restore()
+        state = PythonState.of(roots, life.function.fn)
+        graph = life.agreed_record(c)
+        changes = state.changes()  # made by the capture's run: by every call
+        made = before.changes()  # made by the warmups and the capture, taken back below
     finally:
-        undo.restore()
-    graph = life.agreed_record(c)
-    if graph is not None:
-        graph.watch_reads()
-        if graph.invalid_reason is None:
-            life.adopt(graph)
+        before.restore()
+    if graph is None:
+        return
+    if changes or made:
+        graph.release()
+        _refuse_graph(life, changes, made)
+        return
+    graph.watch_reads()
+    if graph.invalid_reason is None:
+        life.adopt(graph)
+
+
+def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:
+    """A capture whose runs changed Python state is not kept: with ``changes`` (every call
+    changes it) the key runs eagerly; with ``made`` only (its warmups created state, such as
+    an optimizer's momentum buffers, which is taken back now) the graph would have recorded
+    the branch a later call takes, not the first call's, so the key warms up again from its
+    first real call."""
+    if changes:
+        life.fall_back(per_call_reason(changes))
+        return
+    life.warmups, life.phase = 0, WARMUP
+    shown = "; ".join(made[:3]) + (f"; and {len(made) - 3} more" if len(made) > 3 else "")
+    warn_user(f"{life.function.name}.capture({life.label}): not captured: its warmup changed "
+              f"Python state ({shown}), now taken back, and a graph captured after it would "
+              f"replay what later calls do, not the first call. Call it once before capture(),"
+              f" or let its first calls warm up and capture.")
 
 
 def _bucket_examples(name: str, options: Options, names: List[str], args: tuple,

@@ -30,6 +30,7 @@ from ._guard import UnsafeOpDetector
 from ._islands import eager_scope, in_an_island
 from ._outputs import flatten_output
 from ._profile import profile_range, torch_profiler
+from ._python_state import PythonState, per_call_reason
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ._reads import CallWatch, roots_of, shares_written_memory
 from ._recording import CaptureFailed, CaptureRequest
@@ -232,13 +233,22 @@ class KeyLife:
         graphed (the key now runs eagerly)."""
         if c.padding is not None and slices_unknown(c.padding):
             return self.run_eagerly(c)  # which outputs to slice shows in this call's run
+        # The capture is the second run of the function's Python: a change it makes to the
+        # state the call reaches is made by every call, and a replay would not make it.
+        state = PythonState.of(self.function.roots(c), self.function.fn)
         graph = self.agreed_record(c)
         if graph is None:
             return MISS
+        changes = state.changes()
+        del state  # before watch_reads: nothing of the snapshot may keep a read tensor alive
         outputs, kept = capture_replay(self, c, graph)
         if not kept:
             return outputs
         graph.watch_reads()
+        if changes:  # this call is right (its Python ran once, its GPU work once); not later
+            graph.release()
+            self.fall_back(per_call_reason(changes), raise_now=False)
+            return outputs
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
             graph.release()

@@ -84,12 +84,22 @@ def _same(a: Summary, b: Summary) -> bool:
     if a[0] != "=" or b[0] != "=":
         return a == b
     x, y = a[1], b[1]
+    if x is y:  # an atom is immutable: itself is no change, NaN or not (an argument's value)
+        return True
     if type(x) is not type(y):
         return False
     try:
-        return bool(x == y) or (isinstance(x, float) and math.isnan(x) and math.isnan(y))
+        return bool(x == y) or _both_nan(x, y)
     except Exception:  # an atom whose __eq__ fails: compare by identity
-        return x is y
+        return False
+
+
+def _both_nan(x: Any, y: Any) -> bool:
+    """NaN is not equal to itself; a NaN that stays a NaN (real or complex part) is no change."""
+    if isinstance(x, complex):
+        return ((x.real == y.real or _both_nan(x.real, y.real))
+                and (x.imag == y.imag or _both_nan(x.imag, y.imag)))
+    return isinstance(x, float) and math.isnan(x) and math.isnan(y)
 
 
 def _show(summary: Summary) -> str:

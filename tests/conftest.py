@@ -59,6 +59,23 @@ def states(target):
             if " > " not in s.function]
 
 
+def python_run_log():
+    """``log_run = python_run_log()``; ``log_run(x.shape[0])`` (or ``log_run()``) in the
+    Python of a graphed function; then ``log_run.runs == [4, 4]``: what each run of that
+    Python logged, in order. Warmups and captures run it; replays run none.
+
+    Tests count runs of a function's Python through this, never through a list, an int or an
+    attribute the function can reach (a closure, a global, an argument, the module): a call
+    that changes Python state it reaches makes its key eager (docs/design.md, "Python state";
+    ``autograph/_python_state.py``), which would turn a test of graphs into a test of that
+    rule. Functions are never walked as a call's state, so what this logs is out of the call's
+    reach, as a print is."""
+    def log_run(value=1):
+        log_run.runs.append(value)
+    log_run.runs = []
+    return log_run
+
+
 def is_label_of(label, cls):
     """Module labels are ``Name`` for the first module of a class graphed in the process, then
     ``Name#2``, ``Name#3``... (a process-wide counter: never assert the number)."""

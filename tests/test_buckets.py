@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autograph
-from conftest import device_label
+from conftest import device_label, python_run_log
 
 
 def by_bucket(fn):
@@ -12,11 +12,11 @@ def by_bucket(fn):
 
 
 def test_calls_replay_the_graph_of_their_bucket_with_outputs_sliced_back(device):
-    python_runs = []
+    log_run = python_run_log()
 
     @autograph.graphed(buckets=[1, 2, 4, 8])
     def scores(x, w):
-        python_runs.append(x.shape[0])
+        log_run(x.shape[0])
         return torch.relu(x @ w), (x @ w).sum(1)
 
     w = torch.randn(5, 3, device=device)
@@ -25,7 +25,7 @@ def test_calls_replay_the_graph_of_their_bucket_with_outputs_sliced_back(device)
         out, total = scores(x, w)
         assert out.shape == (n, 3) and torch.allclose(out, torch.relu(x @ w))
         assert total.shape == (n,) and torch.allclose(total, (x @ w).sum(1))
-    assert python_runs == [3, 4, 1, 1]      # warmups run the real size, captures the bucket
+    assert log_run.runs == [3, 4, 1, 1]     # warmups run the real size, captures the bucket
     assert by_bucket(scores) == [(1, "graphed", 3, 2, {1: 3}),
                                  (4, "graphed", 5, 4, {3: 3, 4: 2})]
     row = [r for r in scores.stats() if r.bucket == 4][0]
@@ -122,11 +122,11 @@ def test_static_arguments_are_used_by_address(device):
 
 
 def test_capture_ahead_of_time_captures_every_bucket_and_leaves_no_effect(device):
-    python_runs = []
+    log_run = python_run_log()
 
     @autograph.graphed(buckets=[1, 2, 4], static_argnames=["cache"])
     def step(x, cache):
-        python_runs.append(x.shape[0])
+        log_run(x.shape[0])
         cache.add_(x.sum())
         return x * 2 + torch.rand_like(x)
 
@@ -136,10 +136,10 @@ def test_capture_ahead_of_time_captures_every_bucket_and_leaves_no_effect(device
     torch.manual_seed(0)
     rows = step.capture(torch.ones(3, 2, device=device), cache)
     assert [(r.bucket, r.state) for r in rows] == [(4, "graphed"), (2, "graphed"), (1, "graphed")]
-    assert python_runs == [4, 4, 2, 2, 1, 1]           # one warmup and one capture each
+    assert log_run.runs == [4, 4, 2, 2, 1, 1]          # one warmup and one capture each
     assert torch.equal(cache, torch.zeros(3, device=device))   # the warmups were taken back
     out = step(torch.ones(3, 2, device=device), cache)          # a replay, first call
-    assert python_runs == [4, 4, 2, 2, 1, 1]
+    assert log_run.runs == [4, 4, 2, 2, 1, 1]
     assert torch.equal(cache, torch.full((3,), 6.0, device=device))
     assert out.shape == (3, 2)
     if device == "cpu":        # the emulation draws as eager would; on CUDA, philox offsets

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autograph
-from conftest import states
+from conftest import python_run_log, states
 
 
 def by_bucket(fn):
@@ -18,11 +18,12 @@ def by_bucket(fn):
 # ---- (a) per-bucket state passed by static_argnames sees the padded arguments ----
 
 def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
-    seen = []
+    log_run = python_run_log()
+    seen = log_run.runs
 
     @autograph.graphed(buckets=[4, 8], static_argnames=("cache",), bucket_outputs=0)
     def store(x, cache):
-        seen.append((x.shape[0], cache.shape[0]))
+        log_run((x.shape[0], cache.shape[0]))
         assert x.shape[0] == cache.shape[0], "per-bucket state of another size"
         cache[:x.shape[0]] = x * 2
         return x + 1
@@ -41,11 +42,12 @@ def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
 
 
 def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caught):
-    seen = []
+    log_run = python_run_log()
+    seen = log_run.runs
 
     @autograph.graphed(buckets=[4], static_argnames=("cache",), bucket_outputs=0)
     def store(x, cache):
-        seen.append(x.shape[0])
+        log_run(x.shape[0])
         cache[:x.shape[0]] = x
         if x.sum().item() > 1e9:       # a host read: this key runs eagerly
             return x * 0

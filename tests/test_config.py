@@ -10,7 +10,8 @@ import autograph
 from autograph._config import Environment
 from conftest import states
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 
 
 @pytest.mark.parametrize("bad", [
@@ -64,8 +65,9 @@ def test_unknown_environment_values_are_errors(env):
 
 
 def _run(code, **env):
+    path = os.pathsep.join([ROOT, TESTS])  # TESTS: conftest's helpers
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=120)
+                          env={**os.environ, "PYTHONPATH": path, **env}, timeout=120)
 
 
 def test_bad_environment_fails_at_import():
@@ -76,15 +78,16 @@ def test_bad_environment_fails_at_import():
 DISABLED_PROGRAM = """
 import torch, autograph
 from autograph._cpu_graphs import emulate_graphs_on_cpu
-runs = []
+from conftest import python_run_log
+log_run = python_run_log()
 @autograph.graphed
 def f(x):
-    runs.append(1)
+    log_run()
     return x + 1
 with emulate_graphs_on_cpu():
     for _ in range(5):
         assert torch.equal(f(torch.zeros(3)), torch.ones(3))
-print(len(runs), [(s.state, s.calls, s.eager_calls, s.replays) for s in autograph.stats()])
+print(len(log_run.runs), [(s.state, s.calls, s.eager_calls, s.replays) for s in autograph.stats()])
 """
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autograph
-from conftest import autograph_warnings, device_label
+from conftest import autograph_warnings, device_label, python_run_log
 
 
 def rows(fn):
@@ -59,11 +59,11 @@ def test_a_cache_that_rebinds_its_tensors_runs_eagerly_and_says_which(device, ca
 
 def test_a_rebound_tensor_is_seen_and_the_key_captured_again(device):
     state = types.SimpleNamespace(scale=torch.ones(3, device=device))
-    python_runs = []
+    log_run = python_run_log()
 
     @autograph.graphed
     def scaled(x):
-        python_runs.append(1)
+        log_run()
         return x * state.scale
 
     x = torch.arange(3.0, device=device)
@@ -72,7 +72,7 @@ def test_a_rebound_tensor_is_seen_and_the_key_captured_again(device):
     state.scale = torch.full((3,), 2.0, device=device)   # the old tensor is freed
     for _ in range(3):
         assert torch.equal(scaled(x), x * 2)
-    assert len(python_runs) == 3        # warmup, capture, and one capture again
+    assert len(log_run.runs) == 3       # warmup, capture, and one capture again
     assert rows(scaled) == [("graphed", 6, 1, 5)]
 
 

@@ -16,15 +16,15 @@ import torch
 
 import autograph
 from autograph import _config
-from conftest import autograph_warnings, device_label, is_label_of, states
+from conftest import autograph_warnings, device_label, is_label_of, python_run_log, states
 
 
 def test_warmup_then_capture_then_replay(device):
-    python_runs = []
+    log_run = python_run_log()
 
     @autograph.graphed(warmup=2)
     def step(x, w):
-        python_runs.append(1)
+        log_run()
         return torch.relu(x @ w).sum(-1)
 
     w = torch.randn(8, 8, device=device)
@@ -34,17 +34,17 @@ def test_warmup_then_capture_then_replay(device):
         expected_state = "warmup" if i < 2 else "graphed"
         assert step.stats()[0].state == expected_state
     # two warmups and one capture ran Python; three replays did not
-    assert len(python_runs) == 3
+    assert len(log_run.runs) == 3
     assert states(step) == [("graphed", 6, 2, 4)]
 
 
 def test_each_call_runs_the_work_exactly_once_in_every_phase(device):
     counter = torch.zeros((), dtype=torch.int64, device=device)
-    python_runs = []
+    log_run = python_run_log()
 
     @autograph.graphed(warmup=2)
     def bump(x):
-        python_runs.append(1)
+        log_run()
         counter.add_(1)
         return x + counter
 
@@ -58,7 +58,7 @@ def test_each_call_runs_the_work_exactly_once_in_every_phase(device):
     # replays did the work without running Python
     assert phases == [[("warmup", 1, 1, 0)], [("warmup", 2, 2, 0)], [("graphed", 3, 2, 1)],
                       *[[("graphed", n, 2, n - 2)] for n in range(4, 8)]]
-    assert len(python_runs) == 3
+    assert len(log_run.runs) == 3
 
 
 def test_several_shapes_get_separate_graphs(device):
@@ -211,17 +211,39 @@ def test_random_ops_give_fresh_numbers_on_every_replay_and_follow_the_seed(devic
     assert all(torch.equal(a, b) for a, b in zip(second, eager))
 
 
-def test_python_side_effects_happen_at_capture_not_at_replay(device):
+def test_python_side_effects_on_state_the_call_reaches_make_its_key_eager(device, caught):
     seen = []
 
     @autograph.graphed
     def f(x):
         seen.append(x.shape)
+        return x * 2
+
+    for _ in range(5):
+        assert torch.equal(f(torch.ones(1, device=device)), torch.full((1,), 2.0, device=device))
+    # A replay would not append (docs/design.md, "Python state"): the capture saw the change, so every call runs
+    # its Python, as eagerly; the capture call's own replay is its result.
+    assert len(seen) == 5
+    assert states(f) == [("eager", 5, 4, 1)]
+    message, = autograph_warnings(caught)
+    assert "(seen: length 1 -> 2)" in message
+    assert f.stats()[0].fallback_reason in message
+
+
+def test_python_side_effects_the_call_cannot_reach_happen_at_capture_not_at_replay(
+        device, capsys):
+    log_run = python_run_log()  # a function in another module: no state of the call's
+
+    @autograph.graphed
+    def f(x):
+        log_run(tuple(x.shape))
+        print("ran on", tuple(x.shape))
         return x
 
     for _ in range(5):
         f(torch.zeros(1, device=device))
-    assert len(seen) == 2  # warmup and capture (docs/design.md, "A key's life")
+    assert log_run.runs == [(1,), (1,)]  # warmup and capture (docs/design.md, "Python state")
+    assert capsys.readouterr().out == "ran on (1,)\n" * 2
     assert states(f) == [("graphed", 5, 1, 4)]
 
 
@@ -281,10 +303,14 @@ class Plain(torch.nn.Module):
         super().__init__()
         self.linear = torch.nn.Linear(4, 4)
         self.register_buffer("offset", torch.ones(4))
-        self.python_runs = 0      # the forward's Python runs at warmup and capture only
+        self.log_run = python_run_log()  # the forward's Python runs at warmup and capture only
+
+    @property
+    def python_runs(self):
+        return len(self.log_run.runs)
 
     def forward(self, x):
-        self.python_runs += 1
+        self.log_run()
         return torch.nn.functional.gelu(self.linear(x)) + self.offset
 
 
@@ -516,11 +542,11 @@ def test_users_own_exception_propagates_in_every_phase_and_the_key_recovers(devi
 
 
 def test_a_graphed_function_inside_another_becomes_part_of_its_graph(device):
-    inner_runs = []
+    log_inner_run = python_run_log()
 
     @autograph.graphed
     def inner(x):
-        inner_runs.append(1)
+        log_inner_run()
         return x * 2
 
     @autograph.graphed
@@ -531,7 +557,7 @@ def test_a_graphed_function_inside_another_becomes_part_of_its_graph(device):
         x = torch.randn(3, device=device)
         assert torch.equal(outer(x), x * 2 + 1)
     assert states(outer) == [("graphed", 4, 1, 3)]
-    assert len(inner_runs) == 2     # at the outer warmup and capture; replays are outer's
+    assert len(log_inner_run.runs) == 2   # at the outer warmup and capture; replays are outer's
     # inner's own engine saw only the outer warmup's call: inside a capture it steps aside
     assert states(inner) == [("warmup", 1, 1, 0)]
 

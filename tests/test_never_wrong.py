@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import autograph
-from conftest import states
+from conftest import python_run_log, states
 
 
 # ---- item 4: outputs of every kind are new objects on every call, as eagerly ----
@@ -263,12 +263,12 @@ def _raise_again(message):
     "failed during graph capture", "CUDA generator not in capture mode",
     "operation not permitted when stream is capturing", "CUDA error: an illegal address"])
 def test_a_user_exception_that_names_capture_propagates_once(device, how, message):
-    calls = []
+    log_call = python_run_log()
 
     @autograph.graphed
     def f(x):
-        calls.append(1)
-        if len(calls) == 2:  # the capture call
+        log_call()
+        if len(log_call.runs) == 2:  # the capture call
             how(message)
         return x * 2
 
@@ -276,7 +276,7 @@ def test_a_user_exception_that_names_capture_propagates_once(device, how, messag
     f(x)
     with pytest.raises((UserError, AssertionError), match=message.split(":")[0]):
         f(x)
-    assert len(calls) == 2  # it ran once, and was not run again to re-raise
+    assert len(log_call.runs) == 2  # it ran once, and was not run again to re-raise
     for _ in range(3):
         assert torch.equal(f(x), torch.full((2,), 2.0, device=device))
     assert states(f)[0][0] == "graphed" and states(f)[0][3] >= 2

@@ -12,17 +12,21 @@ import torch
 
 import autograph
 from autograph import _config, _region, _scope
-from conftest import autograph_warnings, is_label_of, states
+from conftest import autograph_warnings, is_label_of, python_run_log, states
 
 
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.inner = torch.nn.Linear(4, 4)
-        self.calls = 0
+        self.log_call = python_run_log()  # Python runs at warmup and capture only, once graphed
+
+    @property
+    def calls(self):
+        return len(self.log_call.runs)
 
     def forward(self, x):
-        self.calls += 1           # Python runs at warmup and capture only, once graphed
+        self.log_call()
         return torch.relu(self.inner(x))
 
 
@@ -47,26 +51,27 @@ def test_top_level_module_calls_are_graphed_inside_and_only_inside(device):
 
 
 def test_plain_functions_run_as_written_and_decorated_ones_take_region_options(device):
-    python_runs = {"plain": 0, "decorated": 0, "own": 0}
+    log_run = python_run_log()
 
     def plain(x):
-        python_runs["plain"] += 1
+        log_run("plain")
         return x + 1
 
     @autograph.graphed
     def decorated(x):
-        python_runs["decorated"] += 1
+        log_run("decorated")
         return x + 1
 
     @autograph.graphed(warmup=1)
     def own(x):
-        python_runs["own"] += 1
+        log_run("own")
         return x + 1
 
     with autograph.region(warmup=3) as region:
         for _ in range(6):
             x = torch.zeros(1, device=device)
             plain(x), decorated(x), own(x)
+    python_runs = {name: log_run.runs.count(name) for name in ("plain", "decorated", "own")}
     assert python_runs == {"plain": 6, "decorated": 4, "own": 2}  # 3 warmups + capture; 1 + 1
     assert states(decorated) == [("graphed", 6, 3, 3)]
     assert states(own) == [("graphed", 6, 1, 5)]
@@ -75,11 +80,12 @@ def test_plain_functions_run_as_written_and_decorated_ones_take_region_options(d
 
 
 def test_regions_nest_and_the_inner_one_wins(device):
-    runs = []
+    log_run = python_run_log()
+    runs = log_run.runs
 
     @autograph.graphed
     def f(x):
-        runs.append(1)
+        log_run()
         return x
 
     with autograph.region(warmup=2):
@@ -102,11 +108,12 @@ def test_disabled_runs_every_call_eagerly_and_records_nothing(device, how, monke
     scope = {"AUTOGRAPH_DISABLE=1": contextlib.nullcontext(),
              "region(enabled=False)": autograph.region(enabled=False),
              "AUTOGRAPH_DISABLE=1 in a region": autograph.region()}[how]
-    runs = []
+    log_run = python_run_log()
+    runs = log_run.runs
 
     @autograph.graphed
     def f(x):
-        runs.append(1)
+        log_run()
         return x + 1
 
     graphed_model, region_model = autograph.graphed(Block().to(device)), Block().to(device)
