@@ -235,9 +235,12 @@ class KeyLife:
             return self.run_eagerly(c)  # which outputs to slice shows in this call's run
         # The capture is the second run of the function's Python: a change it makes to the
         # state the call reaches is made by every call, and a replay would not make it.
-        state = PythonState.of(self.function.roots(c), self.function.fn)
+        # Restorable: a capture that fails ran some of the Python (a layer's counter += 1 before
+        # the op CUDA refused), and the eager run that follows must find the state as it was.
+        state = PythonState.of(self.function.roots(c), self.function.fn, restorable=True)
         graph = self.agreed_record(c)
         if graph is None:
+            state.restore()
             return MISS
         changes = state.changes()
         del state  # before watch_reads: nothing of the snapshot may keep a read tensor alive

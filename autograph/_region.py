@@ -22,7 +22,7 @@ from typing import Any, Dict, List
 import torch
 
 from ._config import Options, check_option_names
-from ._engine import Engine
+from ._engine import Engine, _is_compiling
 from ._graphed import GraphedForward, forward_signature, module_label
 from ._islands import register as register_islands
 from ._pool import Pools
@@ -129,6 +129,8 @@ def engine_of(module: torch.nn.Module) -> Any:
 
 
 def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
+    if _is_compiling():  # traced by Dynamo: the plain call, and no guard on engines made here
+        return _original_call(module, *args, **kwargs)
     region = current_region()
     if region is None or not region.enabled or inside_a_graphed_call() or isinstance(
             module.__dict__.get("forward"), GraphedForward):  # graphed(module) graphs itself

@@ -367,3 +367,29 @@ def test_capture_ahead_of_an_sgd_momentum_step_leaves_the_optimizer_as_before(de
         assert torch.equal(step(x, y), eager_step(x, y))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert states(step) == [("graphed", 6, 1, 5)]
+
+
+def test_a_capture_that_fails_after_changing_python_state_leaves_it_as_eager_would(device):
+    """A capture that the guard stops part-way has run some of the function's Python (here a
+    counter, as a sliding-window cache layer's) before the op it refused; the eager run that
+    follows must start from the state before the capture, or the counter moves twice (on the
+    H200, Gemma 3's cache layers went out of step and generate() gave other tokens)."""
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def forward(self, x):
+            self.steps += 1
+            y = x * 2
+            y.sum().item()  # the guard stops the capture here, after the counter moved
+            return y
+
+    model = autograph.graphed(Counted())
+    for n in range(1, 5):
+        torch.testing.assert_close(model(torch.ones(3, device=device)),
+                                   torch.full((3,), 2.0, device=device))
+        assert model.steps == n
+    row = autograph.stats(model)[0]
+    assert (row.state, row.calls, row.eager_calls, row.replays) == ("eager", 4, 4, 0)
+    assert ".item()" in row.fallback_reason
