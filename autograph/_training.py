@@ -45,6 +45,7 @@ from ._backend import Capture
 from ._config import logger
 from ._graph import Graph
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
+from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
 from ._plan import InputPlan, copy_all
 from ._reads import Survey, tensors_in
 from ._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
@@ -91,6 +92,7 @@ class _ForwardWatch(TorchDispatchMode):
         self.trained: Dict[int, Tensor] = {}
         self.frozen: Dict[int, Tensor] = {}
         self.hooked = False
+        self.module_hooks = ModuleBackwardHooks()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
@@ -261,6 +263,9 @@ def _trained_statics(tensors: Sequence[Tensor], inputs: InputPlan) -> List[int]:
 
 
 def _refuse_backward(reads: "_ForwardWatch", recorded: Recorded) -> None:
+    reason = reads.module_hooks.reason()
+    if reason is not None:
+        raise _refused(reason)
     if reads.hooked:
         raise _refused(
             "it uses saved-tensor hooks inside (torch.utils.checkpoint with "
@@ -297,7 +302,7 @@ class TrainingGraph(Graph):
             inputs = InputPlan(request.tensors, None, request.addressed)
         trained = _trained_statics(request.tensors, inputs)
         reads = _ForwardWatch([inputs.statics[i] for i in trained])
-        recorded = record(request, inputs, watches=[reads], refuse_error=lambda error: (
+        recorded = record(request, inputs, watches=[reads, reads.module_hooks], refuse_error=lambda error: (
             _WRITES_TRAINED if "leaf Variable that requires grad" in str(error) else None))
         try:
             return cls._with_backward(request, recorded, trained, reads)
@@ -350,8 +355,10 @@ class TrainingGraph(Graph):
 
         # Autocast off: eager backward runs where loss.backward() is called, outside autocast
         # (the forward's casts are recorded in its autograd graph either way).
+        # Without the leaves' own hooks: those run on the replay's gradients (``_hooks``).
         def run_backward() -> Any:
-            with torch.autocast(backend.device_type, enabled=False):
+            with torch.autocast(backend.device_type, enabled=False), \
+                    lifted_tensor_hooks(leaves):
                 return _PackedGradients(torch.autograd.grad(
                     differentiable, statics + leaves, grad_outputs, retain_graph=True,
                     allow_unused=True), alone=len(statics))

@@ -409,8 +409,6 @@ def _grad_of_a_step(model, x):
     return model.weight.grad.clone()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 1: the captured backward applies the "
-                   "parameter's hook, then autograd applies it again at the parameter")
 def test_a_hook_on_a_parameter_runs_once_per_backward(device):
     torch.manual_seed(0)
     eager = torch.nn.Linear(3, 2).to(device)
@@ -422,6 +420,82 @@ def test_a_hook_on_a_parameter_runs_once_per_backward(device):
     for _ in range(4):
         assert torch.equal(_grad_of_a_step(model, x), _grad_of_a_step(eager, x))
     assert states(model) == [("graphed", 4, 1, 3)]
+
+
+def test_hooks_on_parameters_run_as_often_as_eagerly(device):
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(3, 2).to(device)
+    model = copy.deepcopy(eager)
+    counts = {"eager": [0, 0], "graphed": [0, 0]}
+
+    def hook_up(m, name):
+        def on_grad(g):
+            counts[name][0] += 1
+            return g + 1
+
+        def on_accumulated(t):
+            counts[name][1] += 1
+        m.bias.register_hook(on_grad)
+        m.weight.register_post_accumulate_grad_hook(on_accumulated)
+    hook_up(eager, "eager")
+    hook_up(model, "graphed")
+    model = autograph.graphed(model)
+    x = torch.ones(4, 3, device=device)
+    for _ in range(4):
+        for m in (model, eager):
+            m.zero_grad()
+            m(x).sum().backward()
+        assert torch.equal(model.bias.grad, eager.bias.grad)
+        assert torch.equal(model.weight.grad, eager.weight.grad)
+    assert counts["graphed"] == counts["eager"] == [4, 4]
+    assert states(model) == [("graphed", 4, 1, 3)]
+
+
+def _counting_backward_hook(calls):
+    def count_backward(module, grad_input, grad_output):
+        calls.append(1)
+    return count_backward
+
+
+@pytest.mark.parametrize("kind", ["full", "pre", "global"])
+def test_a_module_backward_hook_runs_eagerly_as_often_as_eagerly(device, kind):
+    # The graphed module's own hooks wrap its graphed forward; an inner module's run inside.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2)).to(device)
+    calls = []
+    hook = _counting_backward_hook(calls)
+    if kind == "full":
+        handle = model[0].register_full_backward_hook(hook)
+    elif kind == "pre":
+        handle = model[0].register_full_backward_pre_hook(lambda m, g: calls.append(1))
+    else:
+        handle = torch.nn.modules.module.register_module_full_backward_hook(hook)
+    x = torch.ones(4, 3, device=device)
+    try:
+        for _ in range(4):
+            model(x).sum().backward()
+        eager_calls = len(calls)
+        graphed = autograph.graphed(model)
+        for _ in range(4):
+            graphed(x).sum().backward()
+    finally:
+        handle.remove()
+    assert eager_calls >= 4 and len(calls) == 2 * eager_calls
+    [key] = autograph.stats(graphed)
+    assert (key.state, key.eager_calls) == ("eager", 4)
+    assert "backward hook" in key.fallback_reason
+    assert "Tensor.register_hook" in key.fallback_reason
+
+
+def test_the_graphed_modules_own_backward_hook_runs_outside_its_graph(device):
+    model = torch.nn.Linear(3, 2).to(device)
+    calls = []
+    model.register_full_backward_hook(_counting_backward_hook(calls))
+    graphed = autograph.graphed(model)
+    x = torch.ones(4, 3, device=device)
+    for _ in range(4):
+        graphed(x).sum().backward()
+    assert len(calls) == 4
+    assert states(graphed) == [("graphed", 4, 1, 3)]
 
 
 @pytest.mark.xfail(strict=True, reason="issue 21 item 2: the training graph's backward keeps "
@@ -534,9 +608,6 @@ def test_a_static_argnames_tensor_is_not_held_after_the_caller_drops_it(device):
     assert ref() is None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 9: a region's graph of a training "
-                   "module with a full backward hook is the value of a weak dictionary keyed by "
-                   "the module, and holds the module")
 def test_a_region_does_not_keep_a_module_with_a_backward_hook_alive(device):
     model = torch.nn.Linear(3, 2).to(device)
     model.register_full_backward_hook(lambda module, grad_in, grad_out: None)
