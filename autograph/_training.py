@@ -415,7 +415,9 @@ class TrainingGraph(Graph):
 
     def may_replay(self) -> bool:
         if self.invalid_reason is None and self.backward is not None:
-            self.invalid_reason = self.backward.changed()
+            # Its autograd graph holds the leaves it read: a replaced one is never freed.
+            self.invalid_reason = self.backward.changed() or (
+                self.slots is not None and self.slots.changed(always=True)) or None
         return super().may_replay()
 
     def busy(self) -> bool:

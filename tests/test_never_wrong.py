@@ -498,8 +498,6 @@ def test_the_graphed_modules_own_backward_hook_runs_outside_its_graph(device):
     assert states(graphed) == [("graphed", 4, 1, 3)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 2: the training graph's backward keeps "
-                   "the replaced parameter alive, so the freed-read watch never fires")
 def test_a_parameter_replaced_after_capture_is_used_and_gets_its_grad(device):
     model = autograph.graphed(torch.nn.Linear(3, 2).to(device))
     x = torch.ones(4, 3, device=device)
@@ -510,6 +508,49 @@ def test_a_parameter_replaced_after_capture_is_used_and_gets_its_grad(device):
     out.sum().backward()
     assert torch.equal(out, x @ model.weight.detach().T + model.bias.detach())
     assert model.weight.grad is not None
+    _grad_of_a_step(model, x)
+    assert states(model) == [("graphed", 5, 1, 4)]  # captured again, and replayed
+
+
+def _replace_weights(model, how, device):
+    if how == "assign":
+        model.weight = torch.nn.Parameter(torch.full((2, 3), 5.0, device=device))
+    elif how == "load_state_dict(assign=True)":
+        state = {k: torch.full_like(v, 5.0) for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)
+    else:  # a buffer
+        model.register_buffer("shift", torch.full((2,), 7.0, device=device))
+
+
+class Shifted(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(3, 2)
+        self.register_buffer("shift", torch.zeros(2))
+
+    def forward(self, x):
+        return super().forward(x) + self.shift
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+@pytest.mark.parametrize("how", ["assign", "load_state_dict(assign=True)", "buffer"])
+def test_replaced_state_is_read_while_the_old_tensors_live_on(device, grad, how):
+    model = autograph.graphed(Shifted().to(device))
+    kept = list(model.parameters()) + list(model.buffers())  # an optimizer holds the old ones
+    x = torch.ones(4, 3, device=device)
+    with torch.set_grad_enabled(grad):
+        for step in range(6):
+            if step == 3:
+                _replace_weights(model, how, device)
+            model.zero_grad()
+            out = model(x)
+            if grad:
+                out.sum().backward()
+                assert model.weight.grad is not None
+    with torch.no_grad():
+        expected = x @ model.weight.T + model.bias + model.shift
+    assert torch.equal(out, expected)
+    assert states(model) == [("graphed", 6, 1, 5)]  # captured again, and replayed
+    assert all(t.device.type == device for t in kept)
 
 
 class ReturnsItsScale(torch.nn.Module):
