@@ -92,6 +92,7 @@ class Graph:
             external = {ptr: t for ptr, t in external.items() if ptr not in own}
             self.watch = ReadWatch(self, external, survey)
             self.slots = SlotWatch(survey, external)
+            self.inputs.forget_addressed()
 
     def release(self) -> None:
         """Poison outputs still handed out; the graph and its memory go with this object."""

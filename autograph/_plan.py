@@ -120,6 +120,12 @@ class InputPlan:
                             s._version != before[i]
                             or (s.numel() and s.untyped_storage().data_ptr() in written))]
 
+    def forget_addressed(self) -> None:
+        """Let go of the arguments used by address, once captured: the graph reads them by
+        address, and their key is forgotten when they die (a dropped KV cache)."""
+        for i in self.addressed:
+            self.statics[i] = None
+
     def copy_in(self, tensors: Sequence[Tensor], rows: Optional[int] = None) -> None:
         if rows is not None:
             self._copy_rows_in(tensors, rows)
@@ -259,6 +265,25 @@ class _Constant(NamedTuple):
         return self.leaf
 
 
+class _Given(NamedTuple):
+    """A non-tensor leaf the call was given (a cache it returns), held weakly: its key is an
+    identity key, forgotten when it dies, so a replay always finds it alive."""
+
+    ref: Any
+
+    def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        return self.ref()
+
+
+def _constant(leaf: Any, given: Sequence[Any]) -> Any:
+    if any(leaf is g for g in given):
+        try:
+            return _Given(weakref.ref(leaf))
+        except TypeError:  # no weak references: its key holds it anyway
+            pass
+    return _Constant(leaf)
+
+
 class OutputPlan:
     """How to turn the graph's outputs into this call's return value."""
 
@@ -270,14 +295,14 @@ class OutputPlan:
         padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
                                                  if spec is not None}
         follows = _follows_the_bucket(leaves, padding, warmup_shapes)
-        self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView or _Constant
+        self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView, _Constant...
         self.owned: List[Tensor] = []
         self.follows: List[bool] = []  # per owned output: sliced back to a call's real rows
         storages = set()
         self.shared = False
         for leaf, leaf_follows in zip(leaves, follows):
             if not isinstance(leaf, Tensor):
-                self.plan.append(_Constant(leaf))
+                self.plan.append(_constant(leaf, given))
                 continue
             index = next((i for i, s in enumerate(statics) if leaf is s), None)
             if index is not None:

@@ -615,8 +615,6 @@ class IdentityKeyed:
         self.t = torch.zeros(2, device=device)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 9: the output plan holds a returned "
-                   "identity-keyed argument strongly, so its key never dies")
 def test_a_returned_identity_keyed_argument_is_not_held(device):
     @autograph.graphed
     def f(x, cache):
@@ -625,15 +623,16 @@ def test_a_returned_identity_keyed_argument_is_not_held(device):
 
     cache = IdentityKeyed(device)
     for _ in range(3):
-        f(torch.ones(2, device=device), cache)
+        out = f(torch.ones(2, device=device), cache)
+    assert out[1] is cache
+    assert states(f) == [("graphed", 3, 1, 2)]
     ref = weakref.ref(cache)
-    del cache
+    del cache, out
     gc.collect()
     assert ref() is None
+    assert states(f) == []  # its key went with it
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 9: a static_argnames tensor is held by "
-                   "its graph's input plan, so a dropped KV cache stays pinned")
 def test_a_static_argnames_tensor_is_not_held_after_the_caller_drops_it(device):
     @autograph.graphed(static_argnames=["cache"])
     def f(x, cache):
@@ -643,10 +642,30 @@ def test_a_static_argnames_tensor_is_not_held_after_the_caller_drops_it(device):
     cache = torch.zeros(2, device=device)
     for _ in range(3):
         f(torch.ones(2, device=device), cache)
+    assert torch.equal(cache, torch.full((2,), 3.0, device=device))
+    assert states(f) == [("graphed", 3, 1, 2)]
     ref = weakref.ref(cache)
     del cache
     gc.collect()
     assert ref() is None
+    assert states(f) == []  # its key went with it
+
+
+def test_new_static_argnames_tensors_keep_being_graphed_past_max_graphs(device):
+    @autograph.graphed(static_argnames=["cache"], max_graphs=2)
+    def f(x, cache):
+        cache.add_(x)
+        return x * 2
+
+    for _ in range(4):  # a new KV cache per request
+        cache = torch.zeros(2, device=device)
+        for _ in range(3):
+            f(torch.ones(2, device=device), cache)
+        assert torch.equal(cache, torch.full((2,), 3.0, device=device))
+        assert states(f) == [("graphed", 3, 1, 2)]
+        del cache
+        gc.collect()
+    assert states(f) == []
 
 
 def test_a_region_does_not_keep_a_module_with_a_backward_hook_alive(device):
