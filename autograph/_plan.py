@@ -266,8 +266,9 @@ class _Constant(NamedTuple):
 
 
 class _Given(NamedTuple):
-    """A non-tensor leaf the call was given (a cache it returns), held weakly: its key is an
-    identity key, forgotten when it dies, so a replay always finds it alive."""
+    """A leaf returned as itself, held weakly: an object the call was given (a cache: its
+    key is an identity key, forgotten when it dies), or a tensor read by address (a
+    parameter: the read watch invalidates the graph when it dies or is replaced)."""
 
     ref: Any
 
@@ -289,7 +290,9 @@ class OutputPlan:
 
     def __init__(self, result: Any, statics: Sequence[Tensor], policy: str, label: str,
                  pool: Any = None, given: Sequence[Any] = (), padding: Any = None,
-                 warmup_shapes: Optional[List[Any]] = None):
+                 warmup_shapes: Optional[List[Any]] = None, outside: Dict[int, Tensor] = {}):
+        """``outside``: tensors by id that existed before the call (parameters, state read
+        by address); one returned as it is comes back as that very tensor, held weakly."""
         leaves, self.rebuild = flatten_output(result, given)
         input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
         padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
@@ -307,6 +310,8 @@ class OutputPlan:
             index = next((i for i, s in enumerate(statics) if leaf is s), None)
             if index is not None:
                 self.plan.append(_Argument(index))
+            elif outside.get(id(leaf)) is leaf:  # a parameter returned as it is
+                self.plan.append(_Given(weakref.ref(leaf)))
             elif leaf.numel() and storage_ptr(leaf) in input_storages:
                 i = input_storages[storage_ptr(leaf)]
                 if i in padded:

@@ -185,6 +185,12 @@ class Survey:
         for child_path, child, slot in children:
             self._visit(child_path, child, left - 1, slot)
 
+    def tensors(self) -> Dict[int, Tensor]:
+        """The tensors found as attributes or as leaves that require grad, by id."""
+        found = {id(t): t for *_, t in self.slots.values()}
+        found.update((id(t), t) for t, _, _ in self.leaves.values())
+        return found
+
     def restore_grads(self) -> None:
         """Give each leaf back the ``.grad`` it had before a capture that failed: a backward in
         the capture set ``.grad`` in Python to memory of a graph that is being discarded."""

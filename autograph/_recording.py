@@ -21,7 +21,8 @@ import torch
 from ._backend import Capture
 from ._guard import Finding, UnsafeOpDetector, classify_capture_error
 from ._plan import InputPlan, OutputPlan, UnplannableOutput
-from ._reads import CallWatch, Survey
+from ._outputs import flatten_output
+from ._reads import CallWatch, Survey, storage_ptr
 
 Tensor = torch.Tensor
 
@@ -146,8 +147,14 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
             # collection that could land inside another capture.
             del capture
             raise error
+        outside = survey.tensors()
         outputs = OutputPlan(capture.outputs, inputs.statics, request.policy, request.label,
-                             request.pool, given, request.padding, request.warmup_shapes)
+                             request.pool, given, request.padding, request.warmup_shapes,
+                             outside)
+        for leaf in flatten_output(capture.outputs, given)[0]:
+            if isinstance(leaf, Tensor) and outside.get(id(leaf)) is leaf:
+                # Returned without an op reading it: watched as a read by address all the same.
+                watch.external.setdefault(storage_ptr(leaf), leaf)
     except UnplannableOutput as unplannable:
         survey.restore_grads()
         raise refused(str(unplannable)) from None

@@ -563,8 +563,6 @@ class ReturnsItsScale(torch.nn.Module):
         return self.lin(x), self.scale  # a CLIP-style temperature, returned as it is
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 3: a returned parameter is an output "
-                   "copy of the graph, not the parameter, so its .grad is never set")
 def test_a_returned_parameter_gets_its_grad(device):
     model = autograph.graphed(ReturnsItsScale().to(device))
     x = torch.ones(4, 3, device=device)
@@ -575,6 +573,18 @@ def test_a_returned_parameter_gets_its_grad(device):
         assert scale is model.scale
         assert model.scale.grad is not None
     assert states(model) == [("graphed", 3, 1, 2)]
+
+
+def test_a_returned_parameter_replaced_since_capture_is_the_new_one(device):
+    model = autograph.graphed(ReturnsItsScale().to(device))
+    x = torch.ones(4, 3, device=device)
+    with torch.no_grad():
+        for _ in range(3):
+            assert model(x)[1] is model.scale
+        model.scale = torch.nn.Parameter(torch.full((), 2.0, device=device))
+        for _ in range(2):
+            assert model(x)[1] is model.scale
+    assert states(model) == [("graphed", 5, 1, 4)]
 
 
 @pytest.mark.xfail(strict=True, reason="issue 21 item 5: SPEC 2.7's aliasing rule compares "
