@@ -35,6 +35,8 @@ class Graph:
         self.inputs: InputPlan = recorded.inputs
         self.outputs = recorded.outputs
         self.mutated = recorded.inputs.mutated
+        # The storages it reads or writes by address: an argument sharing one runs eagerly.
+        self.by_address = set(recorded.watch.external)
         # Set (by the read watch) to the name of a tensor read by address that was freed.
         self.invalid_reason: Optional[str] = None
         self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey]] = (

@@ -28,7 +28,7 @@ from ._guard import UnsafeOpDetector
 from ._outputs import flatten_output
 from ._profile import profile_range, torch_profiler
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from ._reads import CallWatch, roots_of, shares_written_memory
+from ._reads import CallWatch, roots_of, shares_state, shares_written_memory
 from ._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
@@ -84,7 +84,7 @@ class KeyLife:
 
     __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
-                 "strict_error", "graph", "written", "uses_cudnn", "warmup_thread",
+                 "strict_error", "graph", "written", "by_address", "uses_cudnn", "warmup_thread",
                  "strong_identities", "identity_ids", "bucket", "sizes", "trains",
                  "checks_left", "verified", "warmup_shapes", "groups", "__weakref__")
 
@@ -100,6 +100,7 @@ class KeyLife:
         self.strict_error: Optional[str] = None  # raised on every call under strict=True
         self.graph: Any = None
         self.written: List[int] = []  # arguments the watched warmup wrote to
+        self.by_address: set = set()  # storages the watched warmup used by address
         self.uses_cudnn = False  # seen at warmup: a capture thread needs a cuDNN handle
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
@@ -134,10 +135,11 @@ class KeyLife:
         return graph.replay(tensors, padding)
 
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
-        """Nothing it reads by address freed, no written argument aliased, no backward due."""
+        """Nothing it reads by address freed, no written argument aliased, no argument that
+        is state used by address, no backward due."""
         return graph.may_replay() and not (
             graph.mutated and shares_written_memory(tensors, graph.mutated)) and not (
-            self.trains and graph.busy())
+            shares_state(tensors, graph.by_address)) and not (self.trains and graph.busy())
 
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the
@@ -152,7 +154,8 @@ class KeyLife:
         if self.phase == WARMUP:
             return self._warmup(c)
         if self.phase == CAPTURE:
-            if self.written and shares_written_memory(c.tensors, self.written):
+            if (self.written and shares_written_memory(c.tensors, self.written)) \
+                    or shares_state(c.tensors, self.by_address):
                 return self.run_eagerly(c)
             outputs = self._capture(c)
             if outputs is not MISS:
@@ -198,7 +201,7 @@ class KeyLife:
         """The last warmup: watched, not judged. A host read seen here may be skipped during
         capture by capture-aware code, so the capture's guard decides."""
         detector = UnsafeOpDetector(self.backend.device_type, raise_on_unsafe=False)
-        watch = CallWatch()
+        watch = CallWatch(c.tensors)
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
         with detector, watch, collectives:
             outputs = c.call(*c.args, **c.kwargs)
@@ -212,6 +215,7 @@ class KeyLife:
             self.warmup_shapes = [c.padding.rows, [
                 tuple(o.shape) if isinstance(o, Tensor) else None for o in leaves]]
         self.written = watch.written_arguments(c.tensors)
+        self.by_address = set(watch.external)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in leaves):
             self.trains = True  # a closed-over parameter needs gradients

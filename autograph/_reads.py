@@ -121,6 +121,16 @@ def shares_written_memory(tensors: Sequence[Tensor], written: Sequence[int]) -> 
     return any(storages.count(storages[i]) > 1 for i in written if tensors[i].numel())
 
 
+def shares_state(tensors: Sequence[Tensor], storages: Set[int]) -> bool:
+    """Whether an argument shares memory with state the function reads or writes by address.
+
+    Eagerly, the function would see its writes to that state through the argument, or its
+    writes to the argument through that state; a graph's static copy of the argument is
+    separate memory, so such a call must run eagerly (issue 21, item 5).
+    """
+    return any(t.numel() and storage_ptr(t) in storages for t in tensors)
+
+
 # ---- what a function can reach: names for messages, and leaves whose .grad it may set ----
 
 _MAX_NODES = 50_000

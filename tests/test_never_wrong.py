@@ -587,8 +587,6 @@ def test_a_returned_parameter_replaced_since_capture_is_the_new_one(device):
     assert states(model) == [("graphed", 5, 1, 4)]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 5: SPEC 2.7's aliasing rule compares "
-                   "arguments with each other only, not with state read by address")
 def test_an_argument_that_is_state_written_by_address(device):
     buf = torch.zeros(3, device=device)
 
@@ -601,10 +599,28 @@ def test_an_argument_that_is_state_written_by_address(device):
         f(torch.ones(3, device=device))
     buf.zero_()
     assert torch.equal(f(buf), torch.full((3,), 2.0, device=device))  # eager reads it after
+    assert torch.equal(buf, torch.ones(3, device=device))
+    f(torch.ones(3, device=device))
+    assert states(f) == [("graphed", 5, 2, 3)]  # that call alone ran eagerly
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 5: an argument written in place is a "
-                   "static copy, which a read of the same tensor through a global misses")
+def test_the_capture_call_with_an_argument_that_is_state_written_by_address(device):
+    buf = torch.zeros(3, device=device)
+
+    @autograph.graphed
+    def f(x):
+        buf.add_(1)
+        return x * 2
+
+    f(torch.ones(3, device=device))  # the warmup
+    buf.zero_()
+    assert torch.equal(f(buf), torch.full((3,), 2.0, device=device))  # would be the capture
+    for _ in range(2):
+        f(torch.ones(3, device=device))
+    assert torch.equal(buf, torch.full((3,), 3.0, device=device))
+    assert states(f) == [("graphed", 4, 2, 2)]
+
+
 def test_an_argument_written_in_place_and_read_again_through_a_global(device):
     shared = {"t": torch.ones(3, device=device)}
 
@@ -618,6 +634,7 @@ def test_an_argument_written_in_place_and_read_again_through_a_global(device):
     t = shared["t"]
     before = t.clone()
     assert torch.equal(f(t), before + 1)
+    assert states(f) == [("graphed", 4, 2, 2)]
 
 
 class IdentityKeyed:
