@@ -45,6 +45,13 @@ MAX_RECAPTURES = 2
 MISS = object()  # ``serve``: this call cannot be a plain replay
 
 
+def _aliases_what_it_uses(tensors: List[Tensor], written: List[int], by_address: set) -> bool:
+    """Whether an argument it writes shares memory with another argument, or an argument
+    shares memory with state it uses by address: a graph's static copy would not see it."""
+    return bool(written) and shares_written_memory(tensors, written) or \
+        shares_state(tensors, by_address)
+
+
 @dataclasses.dataclass(frozen=True)
 class Function:
     """What a key needs of the function it belongs to: its name for messages, and where the
@@ -100,7 +107,7 @@ class KeyLife:
         self.strict_error: Optional[str] = None  # raised on every call under strict=True
         self.graph: Any = None
         self.written: List[int] = []  # arguments the watched warmup wrote to
-        self.by_address: set = set()  # storages the watched warmup used by address
+        self.by_address: set = set()  # and the storages it used by address
         self.uses_cudnn = False  # seen at warmup: a capture thread needs a cuDNN handle
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
@@ -135,11 +142,9 @@ class KeyLife:
         return graph.replay(tensors, padding)
 
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
-        """Nothing it reads by address freed, no written argument aliased, no argument that
-        is state used by address, no backward due."""
-        return graph.may_replay() and not (
-            graph.mutated and shares_written_memory(tensors, graph.mutated)) and not (
-            shares_state(tensors, graph.by_address)) and not (self.trains and graph.busy())
+        """Nothing read by address freed or aliased, no written argument aliased."""
+        return graph.may_replay() and not _aliases_what_it_uses(
+            tensors, graph.mutated, graph.by_address) and not (self.trains and graph.busy())
 
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the
@@ -154,8 +159,7 @@ class KeyLife:
         if self.phase == WARMUP:
             return self._warmup(c)
         if self.phase == CAPTURE:
-            if (self.written and shares_written_memory(c.tensors, self.written)) \
-                    or shares_state(c.tensors, self.by_address):
+            if _aliases_what_it_uses(c.tensors, self.written, self.by_address):
                 return self.run_eagerly(c)
             outputs = self._capture(c)
             if outputs is not MISS:
@@ -214,8 +218,7 @@ class KeyLife:
         if c.padding is not None:
             self.warmup_shapes = [c.padding.rows, [
                 tuple(o.shape) if isinstance(o, Tensor) else None for o in leaves]]
-        self.written = watch.written_arguments(c.tensors)
-        self.by_address = set(watch.external)
+        self.written, self.by_address = watch.written_arguments(c.tensors), set(watch.external)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in leaves):
             self.trains = True  # a closed-over parameter needs gradients

@@ -286,19 +286,19 @@ def _constant(leaf: Any, given: Sequence[Any]) -> Any:
 
 
 class OutputPlan:
-    """How to turn the graph's outputs into this call's return value."""
+    """How to turn the graph's outputs into this call's return value. ``outside``: tensors by
+    id that existed before the call (parameters, state read by address); one returned as it
+    is comes back as that very tensor, held weakly."""
 
     def __init__(self, result: Any, statics: Sequence[Tensor], policy: str, label: str,
                  pool: Any = None, given: Sequence[Any] = (), padding: Any = None,
                  warmup_shapes: Optional[List[Any]] = None, outside: Dict[int, Tensor] = {}):
-        """``outside``: tensors by id that existed before the call (parameters, state read
-        by address); one returned as it is comes back as that very tensor, held weakly."""
         leaves, self.rebuild = flatten_output(result, given)
         input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
         padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
                                                  if spec is not None}
         follows = _follows_the_bucket(leaves, padding, warmup_shapes)
-        self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView, _Constant...
+        self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _Given...
         self.owned: List[Tensor] = []
         self.follows: List[bool] = []  # per owned output: sliced back to a call's real rows
         storages = set()
@@ -310,7 +310,7 @@ class OutputPlan:
             index = next((i for i, s in enumerate(statics) if leaf is s), None)
             if index is not None:
                 self.plan.append(_Argument(index))
-            elif outside.get(id(leaf)) is leaf:  # a parameter returned as it is
+            elif outside.get(id(leaf)) is leaf:
                 self.plan.append(_Given(weakref.ref(leaf)))
             elif leaf.numel() and storage_ptr(leaf) in input_storages:
                 i = input_storages[storage_ptr(leaf)]

@@ -151,10 +151,7 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
         outputs = OutputPlan(capture.outputs, inputs.statics, request.policy, request.label,
                              request.pool, given, request.padding, request.warmup_shapes,
                              outside)
-        for leaf in flatten_output(capture.outputs, given)[0]:
-            if isinstance(leaf, Tensor) and outside.get(id(leaf)) is leaf:
-                # Returned without an op reading it: watched as a read by address all the same.
-                watch.external.setdefault(storage_ptr(leaf), leaf)
+        _watch_returned(capture.outputs, given, outside, watch)
     except UnplannableOutput as unplannable:
         survey.restore_grads()
         raise refused(str(unplannable)) from None
@@ -165,6 +162,14 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
         raise
     return Recorded(capture, inputs, outputs, watch, survey)
 
+
+
+def _watch_returned(result: Any, given: list, outside: dict, watch: CallWatch) -> None:
+    """Watch a tensor that existed before the call and is returned as it is (a parameter) as
+    a read by address, though no op read it: a replay hands out that very tensor."""
+    for leaf in flatten_output(result, given)[0]:
+        if isinstance(leaf, Tensor) and outside.get(id(leaf)) is leaf:
+            watch.external.setdefault(storage_ptr(leaf), leaf)
 
 
 def _refuse(capture: Capture, detector: UnsafeOpDetector,

@@ -302,7 +302,8 @@ class TrainingGraph(Graph):
             inputs = InputPlan(request.tensors, None, request.addressed)
         trained = _trained_statics(request.tensors, inputs)
         reads = _ForwardWatch([inputs.statics[i] for i in trained])
-        recorded = record(request, inputs, watches=[reads, reads.module_hooks], refuse_error=lambda error: (
+        watches = [reads, reads.module_hooks]
+        recorded = record(request, inputs, watches=watches, refuse_error=lambda error: (
             _WRITES_TRAINED if "leaf Variable that requires grad" in str(error) else None))
         try:
             return cls._with_backward(request, recorded, trained, reads)
