@@ -101,7 +101,9 @@ def state_written(c: Any, watch: Any) -> List[Tensor]:
     """The tensors a watched run (``_reads.CallWatch``) wrote that are not copied into a
     graph's statics: state read by address, arguments used by address."""
     copied = {storage_ptr(t) for i, t in enumerate(c.tensors) if i not in c.addressed}
-    return [t for ptr, t in watch.external.items() if ptr in watch.written and ptr not in copied]
+    addressed = [c.tensors[i] for i in c.addressed if storage_ptr(c.tensors[i]) in watch.written]
+    return addressed + [t for ptr, t in watch.external.items()
+                        if ptr in watch.written and ptr not in copied]
 
 
 def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
@@ -121,7 +123,8 @@ def _note_capture(life: Any, graph: Any, padding: Any) -> bool:
     """Note the captured outputs' shapes at the bucket's size; False, the graph released, if
     they show that its outputs cannot be sliced back (the key is eager from now on), or if
     which to slice is still unknown for this call's rows (an eager run will show it)."""
-    padding.shapes.note(padding.bucket, graph.outputs.captured_leaves)
+    leaves, graph.outputs.captured_leaves = graph.outputs.captured_leaves, None
+    padding.shapes.note(padding.bucket, leaves or [])
     decision = padding.shapes.decide(padding.rows, padding.bucket)
     if decision.dims is not None:
         return True

@@ -18,6 +18,7 @@ import torch
 from ._plan import InputPlan
 from ._reads import GradSlots, ReadWatch, Survey
 from ._recording import CaptureRequest, Recorded, record
+from ._slots import SlotWatch, registrations
 
 Tensor = torch.Tensor
 
@@ -34,6 +35,8 @@ class Graph:
         self.inputs: InputPlan = recorded.inputs
         self.outputs = recorded.outputs
         self.mutated = recorded.inputs.mutated
+        # The storages it reads or writes by address: an argument sharing one runs eagerly.
+        self.by_address = set(recorded.watch.external)
         # Set (by the read watch) to the name of a tensor read by address that was freed.
         self.invalid_reason: Optional[str] = None
         self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey]] = (
@@ -43,6 +46,7 @@ class Graph:
         self.handle = pool.handle  # the pool handle it was captured into
         pool.graphs.add(self)
         self.watch: Optional[ReadWatch] = None
+        self.slots: Optional[SlotWatch] = None  # where its reads by address live (_slots)
 
     @classmethod
     def record(cls, request: CaptureRequest) -> "Graph":
@@ -70,6 +74,10 @@ class Graph:
         """Whether nothing the graph reads by address changed in a way it cannot follow."""
         if self.invalid_reason is None and self.grads:
             self.invalid_reason = self.grads.mismatch()
+        slots = self.slots
+        if self.invalid_reason is None and slots is not None and \
+                slots.seen != registrations.count:
+            self.invalid_reason = slots.changed(always=False)
         return self.invalid_reason is None
 
     def watch_reads(self) -> None:
@@ -83,8 +91,10 @@ class Graph:
             # are its memory, not state read by address.
             own = self.pool.backend.allocated_in_pool(self.handle, self.pool.device,
                                                       list(external))
-            self.watch = ReadWatch(self, {ptr: t for ptr, t in external.items()
-                                          if ptr not in own}, survey)
+            external = {ptr: t for ptr, t in external.items() if ptr not in own}
+            self.watch = ReadWatch(self, external, survey)
+            self.slots = SlotWatch(survey, external)
+            self.inputs.forget_addressed()
 
     def release(self) -> None:
         """Poison outputs still handed out; the graph and its memory go with this object."""

@@ -32,7 +32,7 @@ from ._outputs import flatten_output
 from ._profile import profile_range, torch_profiler
 from ._python_state import PythonState, per_call_reason
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from ._reads import CallWatch, roots_of, shares_written_memory
+from ._reads import CallWatch, roots_of, shares_state, shares_written_memory
 from ._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
@@ -47,6 +47,13 @@ WARMUP, CAPTURE, GRAPHED, EAGER = "warmup", "capture", "graphed", "eager"
 # then runs eagerly: no capture storm.
 MAX_RECAPTURES = 2
 MISS = object()  # ``serve``: this call cannot be a plain replay
+
+
+def _aliases_what_it_uses(tensors: List[Tensor], written: List[int], by_address: set) -> bool:
+    """Whether an argument it writes shares memory with another argument, or an argument
+    shares memory with state it uses by address: a graph's static copy would not see it."""
+    return bool(written) and shares_written_memory(tensors, written) or \
+        shares_state(tensors, by_address)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +95,7 @@ class KeyLife:
 
     __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
-                 "strict_error", "graph", "written", "uses_cudnn", "warmup_thread",
+                 "strict_error", "graph", "written", "by_address", "uses_cudnn", "warmup_thread",
                  "strong_identities", "identity_ids", "bucket", "sizes", "trains", "checks_left",
                  "verified", "padded_runs", "state_written", "groups", "island", "__weakref__")
 
@@ -104,6 +111,7 @@ class KeyLife:
         self.strict_error: Optional[str] = None  # raised on every call under strict=True
         self.graph: Any = None
         self.written: List[int] = []  # arguments the watched warmup wrote to
+        self.by_address: set = set()  # and the storages it used by address
         self.uses_cudnn = False  # seen at warmup: a capture thread needs a cuDNN handle
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
@@ -141,10 +149,9 @@ class KeyLife:
         return graph.replay(tensors, padding)
 
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
-        """Nothing it reads by address freed, no written argument aliased, no backward due."""
-        return graph.may_replay() and not (
-            graph.mutated and shares_written_memory(tensors, graph.mutated)) and not (
-            self.trains and graph.busy())
+        """Nothing read by address freed or aliased, no written argument aliased."""
+        return graph.may_replay() and not _aliases_what_it_uses(
+            tensors, graph.mutated, graph.by_address) and not (self.trains and graph.busy())
 
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the
@@ -162,7 +169,7 @@ class KeyLife:
         if self.phase == WARMUP:
             return self._warmup(c)
         if self.phase == CAPTURE:
-            if self.written and shares_written_memory(c.tensors, self.written):
+            if _aliases_what_it_uses(c.tensors, self.written, self.by_address):
                 return self.run_eagerly(c)
             outputs = self._capture(c)
             if outputs is not MISS:
@@ -209,7 +216,7 @@ class KeyLife:
         """The last warmup: watched, not judged. A host read seen here may be skipped during
         capture by capture-aware code, so the capture's guard decides."""
         detector = UnsafeOpDetector(self.backend.device_type, raise_on_unsafe=False)
-        watch = CallWatch()
+        watch = CallWatch(c.tensors)
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
         with detector, watch, collectives:
             outputs = run_call(self, c)
@@ -219,7 +226,7 @@ class KeyLife:
         self.uses_cudnn = detector.uses_cudnn
         self.warmup_thread = threading.get_ident()
         leaves = flatten_output(outputs)[0]
-        self.written = watch.written_arguments(c.tensors)
+        self.written, self.by_address = watch.written_arguments(c.tensors), set(watch.external)
         self.state_written = [] if c.padding is None else state_written(c, watch)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in leaves):

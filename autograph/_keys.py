@@ -264,6 +264,7 @@ class _Keying:
             self.tensors.append(obj)
             if by_address:
                 self.addressed.append(index)
+                self.identities.append(obj)  # its key dies with it
                 return AtAddress(obj.data_ptr(), tensor_meta(obj))
             if self.resize is not None and index in self.resize:
                 return resized_meta(obj, *self.resize[index])

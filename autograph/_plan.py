@@ -121,6 +121,12 @@ class InputPlan:
                             s._version != before[i]
                             or (s.numel() and s.untyped_storage().data_ptr() in written))]
 
+    def forget_addressed(self) -> None:
+        """Let go of the arguments used by address, once captured: the graph reads them by
+        address, and their key is forgotten when they die (a dropped KV cache)."""
+        for i in self.addressed:
+            self.statics[i] = None
+
     def copy_in(self, tensors: Sequence[Tensor], rows: Optional[int] = None) -> None:
         if rows is not None:
             self._copy_rows_in(tensors, rows)
@@ -231,31 +237,57 @@ class _Constant(NamedTuple):
         return self.leaf
 
 
+class _Given(NamedTuple):
+    """A leaf returned as itself, held weakly: an object the call was given (a cache: its
+    key is an identity key, forgotten when it dies), or a tensor read by address (a
+    parameter: the read watch invalidates the graph when it dies or is replaced)."""
+
+    ref: Any
+
+    def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        return self.ref()
+
+
+def _constant(leaf: Any, given: Sequence[Any]) -> Any:
+    if any(leaf is g for g in given):
+        try:
+            return _Given(weakref.ref(leaf))
+        except TypeError:  # no weak references: its key holds it anyway
+            pass
+    return _Constant(leaf)
+
+
 class OutputPlan:
-    """How to turn the graph's outputs into this call's return value."""
+    """How to turn the graph's outputs into this call's return value. ``outside``: tensors by
+    id that existed before the call (parameters, state read by address); one returned as it
+    is comes back as that very tensor, held weakly."""
 
     def __init__(self, result: Any, statics: Sequence[Tensor], policy: str, label: str,
-                 pool: Any = None, given: Sequence[Any] = (), padding: Any = None):
+                 pool: Any = None, given: Sequence[Any] = (), padding: Any = None,
+                 outside: Optional[Dict[int, Tensor]] = None):
         leaves, self.rebuild = flatten_output(result, given)
         input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
         padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
                                                  if spec is not None}
-        self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView or _Constant
+        self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView, _Given...
         self.owned: List[Tensor] = []
-        # Buckets: the capture's output leaves (evidence of which dims follow the batch), and
-        # per owned output the dims sliced back to a call's real rows, once decided.
-        self.captured_leaves = leaves
+        # Buckets: the capture's output leaves (evidence of which dims follow the batch, taken
+        # once: they may hold objects the call was given), and per owned output the dims
+        # sliced back to a call's real rows, once decided.
+        self.captured_leaves: Optional[list] = leaves if padding is not None else None
         self.follows: Optional[List[Tuple[int, ...]]] = None
         self._owned_leaves: List[int] = []  # the leaf index of each owned output
         storages = set()
         self.shared = False
         for leaf in leaves:
             if not isinstance(leaf, Tensor):
-                self.plan.append(_Constant(leaf))
+                self.plan.append(_constant(leaf, given))
                 continue
             index = next((i for i, s in enumerate(statics) if leaf is s), None)
             if index is not None:
                 self.plan.append(_Argument(index))
+            elif outside is not None and outside.get(id(leaf)) is leaf:
+                self.plan.append(_Given(weakref.ref(leaf)))
             elif leaf.numel() and storage_ptr(leaf) in input_storages:
                 i = input_storages[storage_ptr(leaf)]
                 if i in padded:

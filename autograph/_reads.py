@@ -122,6 +122,16 @@ def shares_written_memory(tensors: Sequence[Tensor], written: Sequence[int]) -> 
     return any(storages.count(storages[i]) > 1 for i in written if tensors[i].numel())
 
 
+def shares_state(tensors: Sequence[Tensor], storages: Set[int]) -> bool:
+    """Whether an argument shares memory with state the function reads or writes by address.
+
+    Eagerly, the function would see its writes to that state through the argument, or its
+    writes to the argument through that state; a graph's static copy of the argument is
+    separate memory, so such a call must run eagerly (issue 21, item 5).
+    """
+    return any(t.numel() and storage_ptr(t) in storages for t in tensors)
+
+
 # ---- what a function can reach: names for messages, and leaves whose .grad it may set ----
 
 _MAX_NODES = 50_000
@@ -137,13 +147,18 @@ class Survey:
 
     def __init__(self, roots: Sequence[Tuple[str, Any]], depth: int = 6):
         self.names: Dict[int, str] = {}
+        # Per storage address, where it was first reached as an object's attribute: the
+        # owner, the attribute's dictionary (``_parameters``, ``_buffers``, ``__dict__``),
+        # its key, and the tensor found there (``_slots``).
+        self.slots: Dict[int, Tuple[Any, str, str, Tensor]] = {}
         self.leaves: Dict[int, Tuple[Tensor, Optional[Tensor], str]] = {}
         self._seen: Set[int] = set()
         self._budget = _MAX_NODES
         for path, root in roots:
             self._visit(path, root, depth)
 
-    def _visit(self, path: str, obj: Any, left: int) -> None:
+    def _visit(self, path: str, obj: Any, left: int, slot: Optional[Tuple[Any, str, str]] = None
+               ) -> None:
         if self._budget <= 0 or id(obj) in self._seen:
             return
         self._budget -= 1
@@ -151,6 +166,8 @@ class Survey:
             ptr = storage_ptr(obj)
             if ptr and ptr not in self.names:
                 self.names[ptr] = path
+                if slot is not None:
+                    self.slots[ptr] = (*slot, obj)
             if obj.requires_grad and obj.is_leaf and id(obj) not in self.leaves:
                 self.leaves[id(obj)] = (obj, obj.grad, path)
             return
@@ -159,24 +176,31 @@ class Survey:
             return
         self._seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
-            for group in (obj._parameters, obj._buffers, obj._modules):
-                for key, value in group.items():
+            for group in ("_parameters", "_buffers", "_modules"):
+                for key, value in getattr(obj, group).items():
                     if value is not None:
-                        self._visit(f"{path}.{key}", value, left - 1)
-            children: Iterable[Tuple[str, Any]] = (
-                (f"{path}.{k}", v) for k, v in vars(obj).items() if not k.startswith("_"))
+                        self._visit(f"{path}.{key}", value, left - 1, (obj, group, key))
+            children: Iterable[Tuple[str, Any, Any]] = (
+                (f"{path}.{k}", v, (obj, "__dict__", k)) for k, v in vars(obj).items()
+                if not k.startswith("_"))
         elif isinstance(obj, dict):
-            children = ((f"{path}[{k!r}]", v) for k, v in list(obj.items())[:256])
+            children = ((f"{path}[{k!r}]", v, None) for k, v in list(obj.items())[:256])
         elif isinstance(obj, (list, tuple)):
-            children = ((f"{path}[{i}]", v) for i, v in enumerate(obj[:256]))
+            children = ((f"{path}[{i}]", v, None) for i, v in enumerate(obj[:256]))
         else:
             attributes = getattr(obj, "__dict__", None)
             if not isinstance(attributes, dict) or callable(obj):
                 return
-            children = ((f"{path}.{k}", v) for k, v in list(attributes.items())
-                        if not k.startswith("__"))
-        for child_path, child in children:
-            self._visit(child_path, child, left - 1)
+            children = ((f"{path}.{k}", v, (obj, "__dict__", k))
+                        for k, v in list(attributes.items()) if not k.startswith("__"))
+        for child_path, child, slot in children:
+            self._visit(child_path, child, left - 1, slot)
+
+    def tensors(self) -> Dict[int, Tensor]:
+        """The tensors found as attributes or as leaves that require grad, by id."""
+        found = {id(t): t for *_, t in self.slots.values()}
+        found.update((id(t), t) for t, _, _ in self.leaves.values())
+        return found
 
     def restore_grads(self) -> None:
         """Give each leaf back the ``.grad`` it had before a capture that failed: a backward in

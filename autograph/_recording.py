@@ -21,7 +21,8 @@ import torch
 from ._backend import Capture
 from ._guard import Finding, UnsafeOpDetector, classify_capture_error
 from ._plan import InputPlan, OutputPlan, UnplannableOutput
-from ._reads import CallWatch, Survey
+from ._outputs import flatten_output
+from ._reads import CallWatch, Survey, storage_ptr
 
 Tensor = torch.Tensor
 
@@ -145,8 +146,10 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
             # collection that could land inside another capture.
             del capture
             raise error
+        outside = survey.tensors()
         outputs = OutputPlan(capture.outputs, inputs.statics, request.policy, request.label,
-                             request.pool, given, request.padding)
+                             request.pool, given, request.padding, outside)
+        _watch_returned(capture.outputs, given, outside, watch)
     except UnplannableOutput as unplannable:
         survey.restore_grads()
         raise refused(str(unplannable)) from None
@@ -157,6 +160,14 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
         raise
     return Recorded(capture, inputs, outputs, watch, survey)
 
+
+
+def _watch_returned(result: Any, given: list, outside: dict, watch: CallWatch) -> None:
+    """Watch a tensor that existed before the call and is returned as it is (a parameter) as
+    a read by address, though no op read it: a replay hands out that very tensor."""
+    for leaf in flatten_output(result, given)[0]:
+        if isinstance(leaf, Tensor) and outside.get(id(leaf)) is leaf:
+            watch.external.setdefault(storage_ptr(leaf), leaf)
 
 
 def _refuse(capture: Capture, detector: UnsafeOpDetector,

@@ -46,6 +46,7 @@ from ._backend import Capture
 from ._config import logger
 from ._graph import Graph
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
+from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
 from ._plan import InputPlan, copy_all
 from ._reads import Survey, tensors_in
 from ._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
@@ -92,6 +93,7 @@ class _ForwardWatch(TorchDispatchMode):
         self.trained: Dict[int, Tensor] = {}
         self.frozen: Dict[int, Tensor] = {}
         self.hooked = False
+        self.module_hooks = ModuleBackwardHooks()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
@@ -262,6 +264,9 @@ def _trained_statics(tensors: Sequence[Tensor], inputs: InputPlan) -> List[int]:
 
 
 def _refuse_backward(reads: "_ForwardWatch", recorded: Recorded) -> None:
+    reason = reads.module_hooks.reason()
+    if reason is not None:
+        raise _refused(reason)
     if reads.hooked:
         raise _refused(
             "it uses saved-tensor hooks inside (torch.utils.checkpoint with "
@@ -298,7 +303,8 @@ class TrainingGraph(Graph):
             inputs = InputPlan(request.tensors, None, request.addressed)
         trained = _trained_statics(request.tensors, inputs)
         reads = _ForwardWatch([inputs.statics[i] for i in trained])
-        recorded = record(request, inputs, watches=[reads], refuse_error=lambda error: (
+        watches = [reads, reads.module_hooks]
+        recorded = record(request, inputs, watches=watches, refuse_error=lambda error: (
             _WRITES_TRAINED if "leaf Variable that requires grad" in str(error) else None))
         try:
             return cls._with_backward(request, recorded, trained, reads)
@@ -351,8 +357,10 @@ class TrainingGraph(Graph):
 
         # Autocast off: eager backward runs where loss.backward() is called, outside autocast
         # (the forward's casts are recorded in its autograd graph either way).
+        # Without the leaves' own hooks: those run on the replay's gradients (``_hooks``).
         def run_backward() -> Any:
-            with torch.autocast(backend.device_type, enabled=False):
+            with torch.autocast(backend.device_type, enabled=False), \
+                    lifted_tensor_hooks(leaves):
                 return _PackedGradients(torch.autograd.grad(
                     differentiable, statics + leaves, grad_outputs, retain_graph=True,
                     allow_unused=True), alone=len(statics))
@@ -409,7 +417,9 @@ class TrainingGraph(Graph):
 
     def may_replay(self) -> bool:
         if self.invalid_reason is None and self.backward is not None:
-            self.invalid_reason = self.backward.changed()
+            # Its autograd graph holds the leaves it read: a replaced one is never freed.
+            self.invalid_reason = self.backward.changed() or (
+                self.slots is not None and self.slots.changed(always=True)) or None
         return super().may_replay()
 
     def busy(self) -> bool:

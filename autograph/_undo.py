@@ -42,6 +42,12 @@ class UndoWrites(CompiledCodeRunsUnder):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            # A private generator (torch.rand(..., generator=g)) is state the call advances,
+            # like the default ones: saved before its first draw.
+            if isinstance(value, torch.Generator) and \
+                    all(value is not g for g, _ in self.generators):
+                self.generators.append((value, value.get_state()))
         for tensor in written_tensors(func, args, kwargs):
             storage = tensor.untyped_storage()
             # The storage's own identity (private: docs/design.md, "Private torch APIs"): its

@@ -1,0 +1,98 @@
+"""Where a graph's state read by address lives, and whether something else lives there now.
+
+>>> slots = SlotWatch(survey, external)      # after the first replay (``Graph.watch_reads``)
+>>> model.weight = nn.Parameter(new)         # or load_state_dict(sd, assign=True)
+>>> slots.changed(always=False)
+'self.weight (replaced since capture)'
+
+A graph reads the tensor it read at capture. The freed-read watch (``_reads.ReadWatch``) sees
+a replaced tensor only once its memory is freed: never while anything else holds it (an
+optimizer, the caller, a training graph's own autograd graph). So each tensor read by address
+that was reached as an attribute (a module's parameter or buffer, an object's attribute) is
+remembered with its owner (held weakly) and name, and a replay first checks that the owner
+still holds that very tensor there.
+
+Checking every slot costs a dictionary look-up per tensor: a training graph checks on every
+call (its backward dwarfs that); an inference graph checks only after a module registered a
+parameter, buffer or submodule anywhere (torch's global registration hooks, installed while a
+watch lives), so its replay costs one integer comparison. An inference graph therefore misses
+a module's plain tensor attribute (not a buffer) rebound while the old one stays alive
+(README, Limits).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.nn.modules import module as _module
+
+Tensor = torch.Tensor
+
+
+class Registrations:
+    """Counts parameter, buffer and submodule registrations while any watch lives."""
+
+    count = 0
+    _handles: List[Any] = []
+    _watches = 0
+
+    @classmethod
+    def _bump(cls, *args: Any) -> None:
+        cls.count += 1
+
+    @classmethod
+    def add_watch(cls) -> None:
+        if cls._watches == 0:
+            cls._handles = [register(cls._bump) for register in (
+                _module.register_module_parameter_registration_hook,
+                _module.register_module_buffer_registration_hook,
+                _module.register_module_module_registration_hook)]
+        cls._watches += 1
+
+    @classmethod
+    def drop_watch(cls) -> None:
+        cls._watches -= 1
+        if cls._watches == 0:
+            for handle in cls._handles:
+                handle.remove()
+            cls._handles = []
+
+
+registrations = Registrations
+
+
+class SlotWatch:
+    """The owners, names and tensors of a graph's reads by address reached as attributes."""
+
+    def __init__(self, survey: Any, external: Dict[int, Tensor]):
+        self.slots: List[Tuple[Any, str, str, Any, str]] = []
+        for ptr in external:
+            found = survey.slots.get(ptr)
+            if found is None:
+                continue
+            owner, group, key, tensor = found
+            try:
+                owner_ref = weakref.ref(owner)
+            except TypeError:  # an object without weak references: the freed watch only
+                continue
+            self.slots.append((owner_ref, group, key, weakref.ref(tensor), survey.names[ptr]))
+        self.seen = Registrations.count
+        if self.slots:
+            Registrations.add_watch()
+            weakref.finalize(self, Registrations.drop_watch)
+
+    def changed(self, always: bool) -> Optional[str]:
+        """The name of a slot that no longer holds its tensor, or None. Unless ``always``,
+        only checked after a registration since the last check."""
+        if not always and self.seen == Registrations.count:
+            return None
+        self.seen = Registrations.count
+        for owner_ref, group, key, tensor_ref, name in self.slots:
+            owner = owner_ref()
+            if owner is None:  # gone with its owner: the freed watch tells of its tensors
+                continue
+            held = getattr(owner, group, None)
+            if not isinstance(held, dict) or held.get(key) is not tensor_ref():
+                return f"{name} (replaced since capture)"
+        return None
