@@ -27,13 +27,10 @@ from ._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife
 from ._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
-from ._scope import current_region
+from ._scope import current_region, nested_calls
 from ._warn import warn_user
 
 Tensor = torch.Tensor
-
-# This many new keys in a row, none of them repeated, and the cache says what keeps changing.
-CHURN_WINDOW = 16
 
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 # Dynamo's frame hook: set while compiled code runs. Where torch lacks the getter, assume it
@@ -106,6 +103,13 @@ class Engine:
         if _devices.inside_a_capture():
             return call(*args, **kwargs)
         options, cache, names, state = self.call_options(instance, region)
+        churn = cache.churn
+        if churn.left > 0:  # its keys churn: a plain call, unkeyed and unwatched (``_churn``)
+            churn.left -= 1
+            if region is not None:
+                region.pass_through()
+            with nested_calls():
+                return call(*args, **kwargs)
         keyed = call_key(args, kwargs, state, names, options.static_argnames,
                          options.static_argnums)
         key = keyed.key if options is self.options or options == self.options \
@@ -172,26 +176,24 @@ class Engine:
         if reason is not None:
             life.fall_back(reason, warn=loud, strict=loud)
         else:
-            self._say_if_keys_never_repeat(cache, life)
+            self._note_new_key(cache, life)
         return life
 
-    def _say_if_keys_never_repeat(self, cache: KeyCache, life: KeyLife) -> None:
-        if "churn" in cache.said or len(cache.entries) < CHURN_WINDOW:
-            return
-        recent = list(cache.entries.values())[-CHURN_WINDOW:]
-        if not all(e.calls == 1 and e.graph is None for e in recent[:-1]):
+    @staticmethod
+    def _note_new_key(cache: KeyCache, life: KeyLife) -> None:
+        """Count a new key for the churn policy (``_churn``); say once when calls start to pass
+        through."""
+        churn = cache.churn
+        if not churn.new_key(cache.entries.values(), life.parts) or "churn" in cache.said:
             return
         cache.said.add("churn")
-        previous = recent[-2]
-        changes = [f"{before} became {after}" for before, after in zip(previous.parts,
-                                                                      life.parts)
-                   if before != after] if len(previous.parts) == len(life.parts) else []
-        what = "; ".join(changes[:3]) or f"the key became {life.label}"
-        warn_user(f"{cache.name}: the last {CHURN_WINDOW} calls each had a new key, so none "
-                  f"was graphed (a key is captured once it repeats). From one call to the "
-                  f"next: {what}. Give that argument a fixed size (pad it; for a KV cache use "
-                  f"a fixed-size one such as transformers' StaticCache), or call it outside "
-                  f"autograph.")
+        what = churn.last_change or f"the key became {life.label}"
+        warn_user(f"{cache.name}: {churn.streak} new keys, and no graph replayed since the "
+                  f"first of them (a key is captured once it repeats). From one "
+                  f"key to the next: {what}. Its calls now run as plain calls, unkeyed and "
+                  f"unwatched, looking again now and then (report() has a row). Give that "
+                  f"argument a fixed size (pad it; for a KV cache use a fixed-size one such "
+                  f"as transformers' StaticCache), or call it outside autograph.")
 
     def new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
                  options: Options) -> KeyLife:

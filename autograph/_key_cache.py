@@ -16,6 +16,7 @@ import threading
 import weakref
 from typing import Any, Dict, List, Set, Tuple
 
+from ._churn import Churn
 from ._key_life import KeyLife
 from ._pool import Pools
 from ._stats import KeyStats
@@ -40,6 +41,7 @@ class KeyCache:
         self.lock = threading.RLock()
         self.pools = Pools()
         self.said: set = set()  # notices given once per cache
+        self.churn = Churn(name)  # whether calls pass through, unkeyed (``_churn``)
         # Keys whose identity-keyed object died: forgotten before the next lookup, so that a
         # new object reusing the dead one's id never meets its graph.
         self.dead_keys: List[Any] = []
@@ -111,7 +113,9 @@ class KeyCache:
     def stats(self) -> List[KeyStats]:
         with self.lock:
             self.forget_dead()
-            return [entry.stats() for entry in self.entries.values()]
+            passed = self.churn.stats()
+            return [entry.stats() for entry in self.entries.values()] + (
+                [] if passed is None else [passed])
 
     def release(self) -> List[int]:
         """Drop every key and graph; return the devices whose graphs were freed."""
@@ -124,6 +128,7 @@ class KeyCache:
             self.routes.clear()
             self.pools.clear()
             self.said.clear()
+            self.churn.reset()
             self.dead_keys.clear()
             for finalizer, _ in self._watchers.values():
                 finalizer.detach()

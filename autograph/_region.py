@@ -31,12 +31,17 @@ from ._stats import KeyStats
 
 @dataclasses.dataclass(frozen=True)
 class RegionStats:
-    """What one region did: counts of its calls, and snapshots of the keys it touched."""
+    """What one region did: counts of its calls, and snapshots of the keys it touched.
+
+    ``passed_through`` counts the calls that ran as plain calls, unkeyed, because their
+    function's keys churn (``report()`` has their row); they are among ``eager_calls``.
+    """
 
     captures: int
     replays: int
     eager_calls: int
     keys: List[KeyStats]
+    passed_through: int = 0
 
 
 class Region:
@@ -47,7 +52,7 @@ class Region:
         self.explicit = explicit
         self.options_key = Options(**explicit)  # validated now, not at the first call
         self.pools = Pools()
-        self.captures = self.replays = self.eager_calls = 0
+        self.captures = self.replays = self.eager_calls = self.passed_through = 0
         # The keys its calls touched, held weakly: a region keeps no graph alive.
         self._touched: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
@@ -60,11 +65,18 @@ class Region:
             if id(life) not in self._touched:
                 self._touched[id(life)] = life
 
+    def pass_through(self) -> None:
+        """A call made in the region ran as a plain call: its function's keys churn."""
+        with self._lock:
+            self.eager_calls += 1
+            self.passed_through += 1
+
     def stats(self) -> RegionStats:
         """Counts of this region's captures, replays and eager calls, and its keys' stats."""
         with self._lock:
             keys = [life.stats() for life in list(self._touched.values())]
-            return RegionStats(self.captures, self.replays, self.eager_calls, keys)
+            return RegionStats(self.captures, self.replays, self.eager_calls, keys,
+                               self.passed_through)
 
     def __enter__(self) -> "Region":
         _install_module_call()

@@ -325,24 +325,43 @@ def test_the_key_cache_is_bounded(device):
     def f(x):
         return x * 2
 
-    with pytest.warns(autograph.AutographWarning, match="each had a new key"):
-        for n in range(1, 301):
-            f(torch.zeros(n, device=device))
+    served = torch.zeros(1000, device=device)  # a graphed key that replays between new keys,
+    for n in range(1, 301):                    # so that calls stay keyed (no churn)
+        f(served)
+        f(torch.zeros(n, device=device))
     assert len(f.stats()) == 256
+    assert f.stats()[0].replays == 299 and f.stats()[0].state == "graphed"
 
 
-def test_keys_that_never_repeat_are_said_once_with_what_changes(device, caught):
+def test_keys_that_never_repeat_pass_through_said_once_with_what_changes(device, caught):
     @autograph.graphed
     def f(x, mask):
         return x * mask.sum()
 
     for n in range(1, 40):
-        f(torch.ones(2, device=device), torch.ones(1, n, device=device))
+        out = f(torch.ones(2, device=device), torch.ones(1, n, device=device))
+        assert torch.equal(out, torch.full((2,), float(n), device=device))
     messages = autograph_warnings(caught)
     assert len(messages) == 1
-    assert "each had a new key" in messages[0]
-    assert (f"mask: f32[1, 15] {device_label(device)} became mask: f32[1, 16] "
+    assert "8 new keys, and no graph replayed" in messages[0]
+    assert (f"mask: f32[1, 7] {device_label(device)} became mask: f32[1, 8] "
             f"{device_label(device)}.") in messages[0]
+    # 8 keys, 16 calls passed through, a look (a new key), 15 calls of the next 32 passed.
+    *keys, passed = f.stats()
+    assert len(keys) == 9 and all(r.replays == 0 for r in keys)
+    assert (passed.key, passed.state, passed.calls) == (
+        "calls passed through (keys churn)", "eager", 16 + 14)
+    assert "1 look(s)" in passed.fallback_reason
+
+
+def test_calls_passed_through_in_a_region_are_counted_by_it(device):
+    model = torch.nn.Linear(2, 2).to(device)
+    with autograph.region() as region, torch.no_grad():
+        for n in range(1, 20):
+            model(torch.ones(n, 2, device=device))
+    stats = region.stats()
+    assert len(stats.keys) == 8 and stats.passed_through == 11
+    assert stats.eager_calls == 19 and stats.captures == 0
 
 
 # ---- binding ----

@@ -24,10 +24,6 @@ def generate_in_a_region(model, ids, **options):
     return tokens, region.stats()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 23.1: the churn policy (autograph/_churn.py) is not wired into the engine yet; "
-    "every generate() call makes new keys (a new DynamicCache, keyed by identity; with a "
-    "padded mask, a longer mask each step) and watches their warmups"))
 @pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padded mask"])
 def test_generate_with_the_default_cache_passes_through_once_its_keys_churn(padded):
     model = tiny_llama()
