@@ -97,6 +97,7 @@ class Options:
     static_argnames: Tuple[str, ...] = ()
     static_argnums: Tuple[int, ...] = ()
     verify: Optional[int] = None
+    check_payoff: bool = True
 
     def __post_init__(self) -> None:
         # Stored hashable and normalised: options are part of a key inside regions.
@@ -131,6 +132,9 @@ class Options:
             raise ValueError(
                 f"max_graphs={self.max_graphs!r}: it must be an int >= 0 (0 captures nothing)."
             )
+        if not isinstance(self.check_payoff, bool):
+            raise ValueError(f"check_payoff={self.check_payoff!r}: it must be True (a key whose "
+                             f"graph is slower than its eager run goes eager) or False.")
         if self.strict is not None and not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r}: it must be True, False or None.")
 

@@ -250,7 +250,7 @@ def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
             strict: Optional[bool] = ..., buckets: Optional[Sequence[int]] = ...,
             bucket_args: Optional[Dict[str, Any]] = ...,
             static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
-            verify: Optional[int] = ...) -> Callable[[F], F]: ...
+            verify: Optional[int] = ..., check_payoff: bool = ...) -> Callable[[F], F]: ...
 
 
 def graphed(fn: Any = None, /, **options: Any) -> Any:
@@ -271,7 +271,9 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     (capture sizes a call's dynamic dimension is padded up to) and ``bucket_args`` (which
     arguments, dims and pad values), ``static_argnames`` / ``static_argnums`` (tensors used by
     address, never copied), ``verify`` (replays of each key checked against an eager run;
-    default from ``AUTOGRAPH_VERIFY``). Options set here win over those of an enclosing
+    default from ``AUTOGRAPH_VERIFY``), ``check_payoff`` (on CUDA, a key's first calls after
+    capture time its replay against its eager run, and a graph that does not beat eager is
+    dropped, said once; default True). Options set here win over those of an enclosing
     ``autograph.region``. See the README's Options table.
     """
     check_option_names(options, "autograph.graphed")

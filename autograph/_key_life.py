@@ -26,6 +26,7 @@ from ._errors import CaptureError
 from ._graph import Graph
 from ._guard import UnsafeOpDetector
 from ._outputs import flatten_output
+from ._payoff import measurement, timed_call
 from ._profile import profile_range, torch_profiler
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ._reads import CallWatch, roots_of, shares_written_memory
@@ -85,8 +86,8 @@ class KeyLife:
     __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
                  "strict_error", "graph", "written", "uses_cudnn", "warmup_thread",
-                 "strong_identities", "identity_ids", "bucket", "sizes", "trains",
-                 "checks_left", "verified", "warmup_shapes", "groups", "__weakref__")
+                 "strong_identities", "identity_ids", "bucket", "sizes", "trains", "payoff",
+                 "gain", "checks_left", "verified", "warmup_shapes", "groups", "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -104,8 +105,7 @@ class KeyLife:
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
         self.identity_ids: List[int] = []  # ids of the objects it keys by identity
-        # The watched warmup's output shapes (buckets: which outputs follow the padded dim).
-        self.warmup_shapes: Optional[List[Any]] = None
+        self.warmup_shapes: Optional[List[Any]] = None  # buckets: the watched warmup's outputs
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
         # The process groups its warmup ran collectives on: their ranks agree on its capture.
@@ -113,6 +113,7 @@ class KeyLife:
         self.sizes: Dict[int, int] = {}  # a bucket's calls by their real size
         # Verify mode: replays still to check (set at each capture), and those that matched.
         self.checks_left = self.verified = 0
+        self.payoff = self.gain = None  # check_payoff: measured until a verdict (``_payoff``)
 
     # ---- replays ----
 
@@ -125,7 +126,7 @@ class KeyLife:
         """Count the call, and replay if that is all it takes; else MISS (``run`` it)."""
         self.count(padding)
         graph = self.graph
-        if graph is None or self.checks_left or torch_profiler._is_profiler_enabled \
+        if graph is None or self.checks_left or self.payoff or torch_profiler._is_profiler_enabled \
                 or not self._may_replay(graph, tensors):
             return MISS
         self.replays += 1
@@ -164,8 +165,8 @@ class KeyLife:
     def _observed_replay(self, c: Call) -> Any:
         """A replay that verify mode checks against an eager run first, or that a profiler
         records as a named range."""
-        if self.checks_left:
-            return checked_replay(self, c)
+        if self.checks_left or self.payoff:  # verify's checks first, then the payoff
+            return (checked_replay if self.checks_left else timed_call)(self, c)
         self.replays += 1
         c.note(self, "replays")
         with profile_range("replay", self.function.name, self.label):
@@ -246,6 +247,7 @@ class KeyLife:
     def adopt(self, graph: Graph) -> None:
         self.graph, self.phase = graph, GRAPHED
         self.checks_left = self.options.replays_to_verify
+        self.payoff = measurement(self)
 
     def agreed_record(self, c: Call) -> Optional[Graph]:
         """Record the key's graph, and if its calls run collectives, agree with the other
@@ -328,4 +330,4 @@ class KeyLife:
             capture_seconds=graph.capture_seconds if graph else None,
             graph_bytes=graph.memory_bytes if graph else 0,
             fallback_reason=self.reason, bucket=self.bucket, sizes=dict(self.sizes) or None,
-            verified=self.verified)
+            verified=self.verified, gain=self.gain)
