@@ -73,8 +73,9 @@ class Engine:
             weakref.WeakKeyDictionary()
         self.instance_numbers = itertools.count(1)
         self.lock = threading.Lock()
-        # Calls that ran eagerly before being keyed (no CUDA, CPU tensors): count per reason.
-        self.eager_tally: Dict[str, int] = {}
+        # Calls that ran eagerly before being keyed (no CUDA, CPU tensors): a count per
+        # reason. next() of an itertools.count is one C call, atomic, cheaper than a lock.
+        self.eager_tally: Dict[str, "itertools.count[int]"] = {}
         _stats.register(self)
 
     def __call__(self, call: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -97,8 +98,7 @@ class Engine:
             return call(*args, **kwargs)
         reason = _devices.eager_whatever_the_key(args, kwargs)
         if reason is not None:
-            with self.lock:
-                self.eager_tally[reason] = self.eager_tally.get(reason, 0) + 1
+            next(self.eager_tally.get(reason) or self._tally(reason))
             return call(*args, **kwargs)
         if _devices.inside_a_capture():
             return call(*args, **kwargs)
@@ -110,29 +110,41 @@ class Engine:
                 region.pass_through()
             with nested_calls():
                 return call(*args, **kwargs)
-        keyed = call_key(args, kwargs, state, names, options.static_argnames,
-                         options.static_argnums)
-        key = keyed.key if options is self.options or options == self.options \
-            else (keyed.key, options)
+        last = cache.last
+        if last is not None and last.matches(args, kwargs, state, options):
+            key, tensors, identities, addressed = last.key, list(args), [], []  # no Python key
+        else:
+            last = None
+            key, tensors, identities, addressed = call_key(
+                args, kwargs, state, names, options.static_argnames, options.static_argnums)
+            plain = type(key[0]) is int  # plain tensor arguments: C++ guards after a replay
+            if options is not self.options and options != self.options:
+                key = (key, options)
         with cache.lock:
             if cache.dead_keys:
                 cache.forget_dead()
             padding = reason = None
             if options.buckets is not None:
                 key, padding, reason = cache.routes.get(key) or self._route(
-                    cache, key, options, names, args, kwargs, keyed.tensors, keyed.addressed,
-                    state)
-            life = cache.entries.get(key)
+                    cache, key, options, names, args, kwargs, tensors, addressed, state)
+            life = last.life if last is not None and cache.last is last \
+                else cache.entries.get(key)
             if life is not None:
-                outputs = life.serve(keyed.tensors, padding, region)
+                outputs = life.serve(tensors, padding, region)
                 if outputs is not MISS:
+                    if last is None and plain and options.buckets is None:
+                        cache.remember(key, life, tensors, state, options)
                     return outputs
-            c = Call(call, instance, args, kwargs, names, keyed.tensors, keyed.addressed,
-                     padding, region, cache, state)
+            c = Call(call, instance, args, kwargs, names, tensors, addressed, padding, region,
+                     cache, state)
             if life is None:
-                life = self._new_life(cache, key, c, keyed.identities, options, reason)
+                life = self._new_life(cache, key, c, identities, options, reason)
                 life.count(padding)
             return life.run(c)
+
+    def _tally(self, reason: str) -> "itertools.count[int]":
+        with self.lock:
+            return self.eager_tally.setdefault(reason, itertools.count())
 
     def _route(self, cache: KeyCache, key: Any, options: Options, names: List[str],
                args: tuple, kwargs: dict, tensors: List[Tensor], addressed: List[int],
@@ -248,7 +260,8 @@ class Engine:
 
     def stats(self) -> List[_stats.KeyStats]:
         with self.lock:
-            tally = list(self.eager_tally.items())
+            tally = [(reason, int(repr(count)[6:-1]))  # "count(7)": 7 calls so far
+                     for reason, count in self.eager_tally.items()]
         tallied = [_stats.KeyStats(
             function=self.name, key="every call", state=EAGER, calls=count, eager_calls=count,
             replays=0, capture_seconds=None, graph_bytes=0, fallback_reason=reason)

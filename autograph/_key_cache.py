@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 from ._churn import Churn
 from ._key_life import KeyLife
+from ._last_key import LastKey
 from ._pool import Pools
 from ._stats import KeyStats
 
@@ -42,6 +43,9 @@ class KeyCache:
         self.pools = Pools()
         self.said: set = set()  # notices given once per cache
         self.churn = Churn(name)  # whether calls pass through, unkeyed (``_churn``)
+        # The key last replayed, tried first (``_last_key``), and those made so far by key.
+        self.last: Any = None
+        self._last_keys: Dict[Any, Any] = {}
         # Keys whose identity-keyed object died: forgotten before the next lookup, so that a
         # new object reusing the dead one's id never meets its graph.
         self.dead_keys: List[Any] = []
@@ -67,10 +71,22 @@ class KeyCache:
             self._evict()
         return entry
 
+    def remember(self, key: Any, life: KeyLife, tensors: List[Any], state: tuple,
+                 options: Any) -> None:
+        """After a replay of a key of plain tensor arguments found by its Python key: the
+        next call tries it first."""
+        last = self._last_keys.get(key, self)
+        if last is self:
+            last = self._last_keys[key] = LastKey.of(key, life, tensors, state, options)
+        self.last = last
+
     def _drop(self, key: Any) -> None:
         entry = self.entries.pop(key, None)
         if entry is None:
             return
+        self._last_keys.pop(key, None)
+        if self.last is not None and self.last.key == key:
+            self.last = None
         if entry.graph is not None:
             entry.graph.release()
         for object_id in entry.identity_ids:
@@ -125,6 +141,8 @@ class KeyCache:
                 if entry.graph is not None:
                     entry.graph.release()
             self.entries.clear()
+            self.last = None
+            self._last_keys.clear()
             self.routes.clear()
             self.pools.clear()
             self.said.clear()
