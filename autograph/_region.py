@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from . import _config
 from ._config import Options, check_option_names
 from ._engine import Engine
 from ._graphed import GraphedForward, forward_signature, module_label
@@ -79,7 +80,11 @@ class Region:
                                self.passed_through)
 
     def __enter__(self) -> "Region":
-        _install_module_call()
+        # A disabled region graphs no module call: it leaves nn.Module.__call__ as it is, so
+        # that its module calls cost what they cost outside (an enabled region open around
+        # or beside it has put the dispatcher in, which sends them to the original).
+        if self.enabled:
+            _install_module_call()
         enter_region(self)
         return self
 
@@ -87,7 +92,8 @@ class Region:
         try:
             leave_region(self)
         finally:
-            _remove_module_call()  # torch's global state comes back even if that failed
+            if self.enabled:
+                _remove_module_call()  # torch's global state comes back even if that failed
 
 
 def region(*, enabled: bool = True, **options: Any) -> Region:
@@ -126,6 +132,8 @@ def engine_of(module: torch.nn.Module) -> Any:
 
 
 def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
+    if _config.ENV.disable:
+        return _original_call(module, *args, **kwargs)
     region = current_region()
     if region is None or not region.enabled or inside_a_graphed_call() or isinstance(
             module.__dict__.get("forward"), GraphedForward):  # graphed(module) graphs itself
