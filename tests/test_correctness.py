@@ -343,25 +343,37 @@ def test_keys_that_never_repeat_pass_through_said_once_with_what_changes(device,
         assert torch.equal(out, torch.full((2,), float(n), device=device))
     messages = autograph_warnings(caught)
     assert len(messages) == 1
-    assert "8 new keys, and no graph replayed" in messages[0]
-    assert (f"mask: f32[1, 7] {device_label(device)} became mask: f32[1, 8] "
+    assert "16 new keys, and no graph replayed" in messages[0]
+    assert (f"mask: f32[1, 15] {device_label(device)} became mask: f32[1, 16] "
             f"{device_label(device)}.") in messages[0]
-    # 8 keys, 16 calls passed through, a look (a new key), 15 calls of the next 32 passed.
+    # 16 keys, 16 calls passed through, a look (a new key), 6 calls of the next 32 passed.
     *keys, passed = f.stats()
-    assert len(keys) == 9 and all(r.replays == 0 for r in keys)
+    assert len(keys) == 17 and all(r.replays == 0 for r in keys)
     assert (passed.key, passed.state, passed.calls) == (
-        "calls passed through (keys churn)", "eager", 16 + 14)
+        "calls passed through (keys churn)", "eager", 16 + 6)
     assert "1 look(s)" in passed.fallback_reason
 
 
 def test_calls_passed_through_in_a_region_are_counted_by_it(device):
     model = torch.nn.Linear(2, 2).to(device)
     with autograph.region() as region, torch.no_grad():
-        for n in range(1, 20):
+        for n in range(1, 30):
             model(torch.ones(n, 2, device=device))
     stats = region.stats()
-    assert len(stats.keys) == 8 and stats.passed_through == 11
-    assert stats.eager_calls == 19 and stats.captures == 0
+    assert len(stats.keys) == 16 and stats.passed_through == 13
+    assert stats.eager_calls == 29 and stats.captures == 0
+
+
+def test_a_server_calling_at_many_batch_sizes_in_turn_is_graphed_not_passed_through(device):
+    model = torch.nn.Linear(2, 2).to(device)
+    sizes = range(1, 16)  # 15 sizes in turn: no key repeats before the 16th call
+    with autograph.region(max_graphs=16) as region, torch.no_grad():
+        for _ in range(3):
+            for n in sizes:
+                model(torch.ones(n, 2, device=device))
+    stats = region.stats()
+    assert stats.passed_through == 0 and stats.captures == 15
+    assert [r.state for r in stats.keys] == ["graphed"] * 15
 
 
 # ---- binding ----

@@ -221,6 +221,7 @@ def test_check_payoff_must_be_a_bool():
 
 @requires_cuda
 @pytest.mark.cuda
+@pytest.mark.payoff
 def test_on_cuda_a_gpu_bound_key_is_measured_and_gets_a_verdict():
     # Big matmuls: the GPU's work dwarfs the launches a graph saves, so either verdict may
     # come; what must hold is that one comes, from real CUDA timings, and results stay right.
@@ -243,6 +244,7 @@ def test_on_cuda_a_gpu_bound_key_is_measured_and_gets_a_verdict():
 
 @requires_cuda
 @pytest.mark.cuda
+@pytest.mark.payoff
 def test_on_cuda_a_launch_bound_key_keeps_its_graph():
     @autograph.graphed
     def f(x):
