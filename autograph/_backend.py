@@ -60,3 +60,7 @@ class Backend(Protocol):
 
     def free(self, device: int) -> None:
         """Give the memory of released graphs back to the device."""
+
+    def payoff_clock(self, device: int) -> Any:
+        """What times a key's replays and eager runs on the stream they run on
+        (``_payoff.CudaClock``'s interface), or None where timings mean nothing."""

@@ -29,8 +29,10 @@ from ._stats import KeyStats
 
 # New keys in a row, none of them graphed, before calls pass through. HF generate() with a
 # DynamicCache makes two per generate() call (the prefill, and a decode step whose graph
-# reads the growing cache), one per step when the attention mask is passed and grows.
-WINDOW = 8
+# reads the growing cache), one per step when the attention mask is passed and grows. Not
+# fewer: a server that calls a model at N batch sizes in turn makes N new keys before any
+# repeats (and is captured on its second round); 16 lets N reach 15 (max_graphs' default).
+WINDOW = 16
 # Calls passed through before the first look; each look that meets a new key doubles it.
 FIRST_PASS = 16
 LONGEST_PASS = 1024

@@ -100,6 +100,7 @@ class Options:
     static_argnums: Tuple[int, ...] = ()
     verify: Optional[int] = None
     islands: bool = True
+    check_payoff: bool = True
 
     def __post_init__(self) -> None:
         # Stored hashable and normalised: options are part of a key inside regions.
@@ -141,6 +142,9 @@ class Options:
         if not isinstance(self.islands, bool):
             raise ValueError(f"islands={self.islands!r}: it must be True (a key that runs "
                              f"eagerly still graphs the module calls inside it) or False.")
+        if not isinstance(self.check_payoff, bool):
+            raise ValueError(f"check_payoff={self.check_payoff!r}: it must be True (a key whose "
+                             f"graph is slower than its eager run goes eager) or False.")
         if self.strict is not None and not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r}: it must be True, False or None.")
 

@@ -25,6 +25,7 @@ import torch
 
 from ._backend import Capture
 from ._config import logger
+from ._payoff import CudaClock
 from ._streams import on_stream
 
 
@@ -250,6 +251,10 @@ class CudaGraphs:
         except (RuntimeError, KeyError, TypeError):  # a snapshot format this code does not know
             return set()
         return {a for a in addresses if any(lo <= a < hi for lo, hi in segments)}
+
+    @staticmethod
+    def payoff_clock(device: int) -> Any:
+        return CudaClock()
 
     def free(self, device: int) -> None:
         """Wait for replays in flight, then give freed graph memory back to the device."""

@@ -47,12 +47,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def inside_a_capture() -> bool:
-    """Inside a capture (ours, the user's own graph, or an emulated one) a call is part of the
-    enclosing graph: it runs as written."""
-    return (_emulation is not None and _emulation.is_capturing()) or CUDA.is_capturing()
-
-
 def choose_backend(tensors: List[Tensor]) -> Tuple[Optional[Backend], int, Optional[str], bool]:
     """(backend, device index, reason not to graph, whether that reason deserves a warning)."""
     types = {t.device.type for t in tensors}
@@ -75,13 +69,27 @@ def choose_backend(tensors: List[Tensor]) -> Tuple[Optional[Backend], int, Optio
     return None, -1, f"its tensors are on {sorted(types)}, not CUDA", False
 
 
-def eager_whatever_the_key(args: Sequence[Any], kwargs: dict) -> Optional[str]:
-    """Why a call of plain CPU tensors runs eagerly whatever its key would be, or None; asked
-    before keying, so that such calls cost about what the bare call does. (Other calls are
-    keyed first: an unhashable argument is an error everywhere, with or without CUDA.)"""
-    if kwargs or not args or _emulation is not None:
+INSIDE_A_CAPTURE = "it is called inside a capture, of which it is part"
+
+
+def why_not_keyed(args: Sequence[Any], kwargs: dict) -> Optional[str]:
+    """Why a call runs as written before it is keyed, or None: it is part of an enclosing
+    capture (ours, the user's own graph, or an emulated one: ``INSIDE_A_CAPTURE``), or it has
+    only plain CPU tensors, which run eagerly whatever their key would be (asked before keying,
+    so that such calls cost about what the bare call does; other calls are keyed first: an
+    unhashable argument is an error everywhere, with or without CUDA)."""
+    emulation = _emulation
+    if (emulation is not None and emulation.is_capturing()) or (
+            torch.cuda.is_initialized() and _capturing()):
+        return INSIDE_A_CAPTURE
+    if kwargs or not args or emulation is not None:
         return None
     for a in args:
         if type(a) is not Tensor or a.is_cuda:
             return None
     return ON_THE_CPU if cuda_available() else NO_CUDA
+
+
+# torch.cuda.is_current_stream_capturing() without its Python wrapper (asked on every call);
+# absent from CPU-only builds, where CUDA is never initialised.
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)

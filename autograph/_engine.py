@@ -28,13 +28,10 @@ from ._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife
 from ._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
-from ._scope import current_region, nested_calls
+from ._scope import nested_calls, thread
 from ._warn import warn_user
 
 Tensor = torch.Tensor
-
-# This many new keys in a row, none of them repeated, and the cache says what keeps changing.
-CHURN_WINDOW = 16
 
 _is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 # Dynamo's frame hook: set while compiled code runs. Where torch lacks the getter, assume it
@@ -77,8 +74,9 @@ class Engine:
             weakref.WeakKeyDictionary()
         self.instance_numbers = itertools.count(1)
         self.lock = threading.Lock()
-        # Calls that ran eagerly before being keyed (no CUDA, CPU tensors): count per reason.
-        self.eager_tally: Dict[str, int] = {}
+        # Calls that ran eagerly before being keyed (no CUDA, CPU tensors): a count per
+        # reason. next() of an itertools.count is one C call, atomic, cheaper than a lock.
+        self.eager_tally: Dict[str, "itertools.count[int]"] = {}
         _stats.register(self)
 
     def __call__(self, call: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -96,44 +94,66 @@ class Engine:
 
     def route(self, call: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         """Key the call and hand it to its key's life."""
-        region = current_region()
+        regions = thread.regions
+        region = regions[-1] if regions else None
         if region is not None and not region.enabled:
             return call(*args, **kwargs)
-        reason = _devices.eager_whatever_the_key(args, kwargs)
+        reason = _devices.why_not_keyed(args, kwargs)
         if reason is not None:
-            with self.lock:
-                self.eager_tally[reason] = self.eager_tally.get(reason, 0) + 1
+            if reason is _devices.INSIDE_A_CAPTURE:
+                return call(*args, **kwargs)
+            next(self.eager_tally.get(reason) or self._tally(reason))
             if region is None:
                 return call(*args, **kwargs)
             region.note_tallied(self)
             with nested_calls():  # its submodules' calls are part of it, not top-level
                 return call(*args, **kwargs)
-        if _devices.inside_a_capture():
-            return call(*args, **kwargs)
-        options, cache, names, state = self.call_options(instance, region)
-        keyed = call_key(args, kwargs, state, names, options.static_argnames,
-                         options.static_argnums)
-        key = keyed.key if options is self.options or options == self.options \
-            else (keyed.key, options)
+        if region is None and instance is None:  # a plain function's call: the common case
+            options, cache, names = self.options, self.cache, self.names
+            state = execution_state(None)
+        else:
+            options, cache, names, state = self.call_options(instance, region)
+        churn = cache.churn
+        if churn.left > 0:  # its keys churn: a plain call, unkeyed and unwatched (``_churn``)
+            churn.left -= 1
+            if region is not None:
+                region.pass_through()
+            with nested_calls():
+                return call(*args, **kwargs)
+        last = cache.last
+        if last is not None and last.matches(args, kwargs, state, options):
+            key, tensors, identities, addressed = last.key, list(args), [], []  # no Python key
+        else:
+            last = None
+            key, tensors, identities, addressed, plain = call_key(
+                args, kwargs, state, names, options.static_argnames, options.static_argnums)
+            if options is not self.options and options != self.options:
+                key = (key, options)
         with cache.lock:
             if cache.dead_keys:
                 cache.forget_dead()
             padding = reason = None
             if options.buckets is not None:
                 key, padding, reason = cache.routes.get(key) or self._route(
-                    cache, key, options, names, args, kwargs, keyed.tensors, keyed.addressed,
-                    state)
-            life = cache.entries.get(key)
+                    cache, key, options, names, args, kwargs, tensors, addressed, state)
+            life = last.life if last is not None and cache.last is last \
+                else cache.entries.get(key)
             if life is not None:
-                outputs = life.serve(keyed.tensors, padding, region)
+                outputs = life.serve(tensors, padding, region)
                 if outputs is not MISS:
+                    if last is None and plain and options.buckets is None:
+                        cache.remember(key, life, tensors, state, options)
                     return outputs
-            c = Call(call, instance, args, kwargs, names, keyed.tensors, keyed.addressed,
-                     padding, region, cache, state)
+            c = Call(call, instance, args, kwargs, names, tensors, addressed, padding, region,
+                     cache, state)
             if life is None:
-                life = self._new_life(cache, key, c, keyed.identities, options, reason)
-                life.count(padding)
+                life = self._new_life(cache, key, c, identities, options, reason)
+                life.serve(tensors, padding, region)  # counts it; a new key cannot replay
             return life.run(c)
+
+    def _tally(self, reason: str) -> "itertools.count[int]":
+        with self.lock:
+            return self.eager_tally.setdefault(reason, itertools.count())
 
     def _route(self, cache: KeyCache, key: Any, options: Options, names: List[str],
                args: tuple, kwargs: dict, tensors: List[Tensor], addressed: List[int],
@@ -182,26 +202,24 @@ class Engine:
         if reason is not None:
             life.fall_back(reason, warn=loud, strict=loud)
         else:
-            self._say_if_keys_never_repeat(cache, life)
+            self._note_new_key(cache, life)
         return life
 
-    def _say_if_keys_never_repeat(self, cache: KeyCache, life: KeyLife) -> None:
-        if "churn" in cache.said or len(cache.entries) < CHURN_WINDOW:
-            return
-        recent = list(cache.entries.values())[-CHURN_WINDOW:]
-        if not all(e.calls == 1 and e.graph is None for e in recent[:-1]):
+    @staticmethod
+    def _note_new_key(cache: KeyCache, life: KeyLife) -> None:
+        """Count a new key for the churn policy (``_churn``); say once when calls start to pass
+        through."""
+        churn = cache.churn
+        if not churn.new_key(cache.entries.values(), life.parts) or "churn" in cache.said:
             return
         cache.said.add("churn")
-        previous = recent[-2]
-        changes = [f"{before} became {after}" for before, after in zip(previous.parts,
-                                                                      life.parts)
-                   if before != after] if len(previous.parts) == len(life.parts) else []
-        what = "; ".join(changes[:3]) or f"the key became {life.label}"
-        warn_user(f"{cache.name}: the last {CHURN_WINDOW} calls each had a new key, so none "
-                  f"was graphed (a key is captured once it repeats). From one call to the "
-                  f"next: {what}. Give that argument a fixed size (pad it; for a KV cache use "
-                  f"a fixed-size one such as transformers' StaticCache), or call it outside "
-                  f"autograph.")
+        what = churn.last_change or f"the key became {life.label}"
+        warn_user(f"{cache.name}: {churn.streak} new keys, and no graph replayed since the "
+                  f"first of them (a key is captured once it repeats). From one "
+                  f"key to the next: {what}. Its calls now run as plain calls, unkeyed and "
+                  f"unwatched, looking again now and then (report() has a row). Give that "
+                  f"argument a fixed size (pad it; for a KV cache use a fixed-size one such "
+                  f"as transformers' StaticCache), or call it outside autograph.")
 
     def new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
                  options: Options) -> KeyLife:
@@ -263,7 +281,8 @@ class Engine:
     def tally_rows(self) -> List[_stats.KeyStats]:
         """A row per reason for the calls that ran eagerly before being keyed."""
         with self.lock:
-            tally = list(self.eager_tally.items())
+            tally = [(reason, int(repr(count)[6:-1]))  # "count(7)": 7 calls so far
+                     for reason, count in self.eager_tally.items()]
         return [_stats.KeyStats(
             function=self.name, key="every call", state=EAGER, calls=count, eager_calls=count,
             replays=0, capture_seconds=None, graph_bytes=0, fallback_reason=reason)

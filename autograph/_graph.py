@@ -41,8 +41,9 @@ class Graph:
         self.invalid_reason: Optional[str] = None
         self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey]] = (
             recorded.watch.external, recorded.survey)
-        # The .grad of leaves its backward writes, if it ran one.
-        self.grads = GradSlots(recorded.survey, recorded.watch.written)
+        # The .grad of leaves its backward writes, if it ran one (None if none: asked per call).
+        grads = GradSlots(recorded.survey, recorded.watch.written)
+        self.grads: Optional[GradSlots] = grads if grads else None
         self.handle = pool.handle  # the pool handle it was captured into
         pool.graphs.add(self)
         self.watch: Optional[ReadWatch] = None
@@ -66,13 +67,13 @@ class Graph:
         self.graph.replay()
         if self.mutated:
             self.inputs.copy_back(tensors, rows)
-        if self.grads:
+        if self.grads is not None:
             self.grads.bind()
         return self.outputs.produce(tensors, padding)
 
     def may_replay(self) -> bool:
         """Whether nothing the graph reads by address changed in a way it cannot follow."""
-        if self.invalid_reason is None and self.grads:
+        if self.invalid_reason is None and self.grads is not None:
             self.invalid_reason = self.grads.mismatch()
         slots = self.slots
         if self.invalid_reason is None and slots is not None and \

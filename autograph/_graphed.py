@@ -24,6 +24,7 @@ import torch
 import wrapt
 
 from ._ahead import capture_ahead
+from . import _config
 from ._config import Options, check_option_names, check_static_arguments
 from ._engine import Engine, _is_compiling
 from ._stats import KeyStats
@@ -105,6 +106,8 @@ class _GraphedPlainFunction(GraphedFunction):
     function still binds through wrapt, as a method."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _config.ENV.disable:  # the bare call, one frame over it (the engine's is another)
+            return self.__wrapped__(*args, **kwargs)
         return self._self_engine(self.__wrapped__, None, args, kwargs)
 
 
@@ -155,9 +158,10 @@ class GraphedForward:
         return self._self_function, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
-            # Inside a compiled model: the plainest call for Dynamo to trace (no bound-method
-            # making, no engine), as the engine would step aside anyway.
+        if _config.ENV.disable or _is_compiling():
+            # Disabled, or inside a compiled model: the plainest call (for Dynamo, the
+            # simplest to trace), without a bound method made or the engine, which would
+            # step aside anyway.
             if self._self_bound:
                 return self._self_function(self._self_module(), *args, **kwargs)
             return self._self_function(*args, **kwargs)
@@ -250,7 +254,8 @@ def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
             strict: Optional[bool] = ..., buckets: Optional[Sequence[int]] = ...,
             bucket_args: Optional[Dict[str, Any]] = ...,
             static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
-            verify: Optional[int] = ..., islands: bool = ...) -> Callable[[F], F]: ...
+            verify: Optional[int] = ..., islands: bool = ...,
+            check_payoff: bool = ...) -> Callable[[F], F]: ...
 
 
 def graphed(fn: Any = None, /, **options: Any) -> Any:
@@ -272,7 +277,9 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     arguments, dims and pad values), ``static_argnames`` / ``static_argnums`` (tensors used by
     address, never copied), ``verify`` (replays of each key checked against an eager run;
     default from ``AUTOGRAPH_VERIFY``), ``islands`` (a key that runs eagerly still graphs the
-    module calls inside it, as a region does; default True). Options set here win over those
+    module calls inside it, as a region does; default True), ``check_payoff`` (on CUDA, a
+    key's first calls after capture time its replay against its eager run, and a graph that
+    does not beat eager is dropped, said once; default True). Options set here win over those
     of an enclosing ``autograph.region``. See the README's Options table.
     """
     check_option_names(options, "autograph.graphed")

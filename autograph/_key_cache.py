@@ -17,9 +17,11 @@ import weakref
 from typing import Any, Dict, List, Set, Tuple
 
 from ._batch_dims import BatchShapes
+from ._churn import Churn
 from ._config import Options
 from ._islands import island_rows
 from ._key_life import KeyLife
+from ._last_key import LastKey
 from ._pool import Pools
 from ._stats import KeyStats
 
@@ -45,6 +47,10 @@ class KeyCache:
         self.lock = threading.RLock()
         self.pools = Pools()
         self.said: set = set()  # notices given once per cache
+        self.churn = Churn(name)  # whether calls pass through, unkeyed (``_churn``)
+        # The key last replayed, tried first (``_last_key``), and those made so far by key.
+        self.last: Any = None
+        self._last_keys: Dict[Any, Any] = {}
         # Keys whose identity-keyed object died: forgotten before the next lookup, so that a
         # new object reusing the dead one's id never meets its graph.
         self.dead_keys: List[Any] = []
@@ -70,10 +76,22 @@ class KeyCache:
             self._evict()
         return entry
 
+    def remember(self, key: Any, life: KeyLife, tensors: List[Any], state: tuple,
+                 options: Any) -> None:
+        """After a replay of a key of plain tensor arguments found by its Python key: the
+        next call tries it first."""
+        last = self._last_keys.get(key, self)
+        if last is self:
+            last = self._last_keys[key] = LastKey.of(key, life, tensors, state, options)
+        self.last = last
+
     def _drop(self, key: Any) -> None:
         entry = self.entries.pop(key, None)
         if entry is None:
             return
+        self._last_keys.pop(key, None)
+        if self.last is not None and self.last.key == key:
+            self.last = None
         if entry.graph is not None:
             entry.graph.release()
         for object_id in entry.identity_ids:
@@ -124,8 +142,10 @@ class KeyCache:
         """A row per key, each followed by its island's rows (``islands``)."""
         with self.lock:
             self.forget_dead()
+            passed = self.churn.stats()
             return [row for entry in self.entries.values()
-                    for row in [entry.stats(), *(island_rows(entry) if islands else ())]]
+                    for row in [entry.stats(), *(island_rows(entry) if islands else ())]] + (
+                [] if passed is None else [passed])
 
     def release(self) -> List[int]:
         """Drop every key and graph; return the devices whose graphs were freed."""
@@ -135,10 +155,13 @@ class KeyCache:
                 if entry.graph is not None:
                     entry.graph.release()
             self.entries.clear()
+            self.last = None
+            self._last_keys.clear()
             self.routes.clear()
             self.batch_shapes.clear()
             self.pools.clear()
             self.said.clear()
+            self.churn.reset()
             self.dead_keys.clear()
             for finalizer, _ in self._watchers.values():
                 finalizer.detach()

@@ -29,6 +29,7 @@ from ._graph import Graph
 from ._guard import UnsafeOpDetector
 from ._islands import eager_scope, in_an_island
 from ._outputs import flatten_output
+from ._payoff import measurement, timed_call
 from ._profile import profile_range, torch_profiler
 from ._python_state import PythonState, per_call_reason
 from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
@@ -90,14 +91,27 @@ class Call:
             self.region.note(life, event)
 
 
+def _key_stats(life: "KeyLife") -> KeyStats:
+    """A snapshot of ``life``'s counters."""
+    graph = life.graph
+    return KeyStats(
+        function=life.owner, key=life.label, state=WARMUP if life.phase == CAPTURE
+        else life.phase, calls=life.calls, eager_calls=life.eager_calls, replays=life.replays,
+        capture_seconds=graph.capture_seconds if graph else None,
+        graph_bytes=graph.memory_bytes if graph else 0,
+        fallback_reason=life.reason, bucket=life.bucket, sizes=dict(life.sizes) or None,
+        verified=life.verified, gain=life.gain)
+
+
 class KeyLife:
     """One key of one cache: its phase, counters and graph, and every step of its life."""
 
     __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
                  "strict_error", "graph", "written", "by_address", "uses_cudnn", "warmup_thread",
-                 "strong_identities", "identity_ids", "bucket", "sizes", "trains", "checks_left",
-                 "verified", "padded_runs", "state_written", "groups", "island", "__weakref__")
+                 "strong_identities", "identity_ids", "bucket", "sizes", "trains", "payoff",
+                 "gain", "checks_left", "verified", "padded_runs", "state_written", "groups",
+                 "island", "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -127,21 +141,20 @@ class KeyLife:
         # Verify mode: replays still to check (set at each capture), and those that matched.
         self.checks_left = self.verified = 0
         self.island: Any = None  # the region its eager calls run in (``_islands``)
+        self.payoff = self.gain = None  # check_payoff: measured until a verdict (``_payoff``)
 
     # ---- replays ----
 
-    def count(self, padding: Any) -> None:
+    def serve(self, tensors: List[Tensor], padding: Any, region: Any) -> Any:
+        """Count the call, and replay if that is all it takes; else MISS (``run`` it)."""
         self.calls += 1
         if padding is not None:
             self.sizes[padding.rows] = self.sizes.get(padding.rows, 0) + 1
-
-    def serve(self, tensors: List[Tensor], padding: Any, region: Any) -> Any:
-        """Count the call, and replay if that is all it takes; else MISS (``run`` it)."""
-        self.count(padding)
         graph = self.graph
-        if graph is None or self.checks_left or torch_profiler._is_profiler_enabled \
-                or not self._may_replay(graph, tensors) or padding is not None and \
-                graph.outputs.follows is None and padding.rows < padding.bucket:
+        if graph is None or self.checks_left or self.payoff \
+                or torch_profiler._is_profiler_enabled or not self._may_replay(graph, tensors) \
+                or padding is not None and graph.outputs.follows is None \
+                and padding.rows < padding.bucket:
             return MISS
         self.replays += 1
         if region is not None:
@@ -181,8 +194,8 @@ class KeyLife:
     def _observed_replay(self, c: Call) -> Any:
         """A replay that verify mode checks against an eager run first, or that a profiler
         records as a named range."""
-        if self.checks_left:
-            return checked_replay(self, c)
+        if self.checks_left or self.payoff:  # verify's checks first, then the payoff
+            return (checked_replay if self.checks_left else timed_call)(self, c)
         self.replays += 1
         c.note(self, "replays")
         with profile_range("replay", self.function.name, self.label):
@@ -276,6 +289,7 @@ class KeyLife:
     def adopt(self, graph: Graph) -> None:
         self.graph, self.phase = graph, GRAPHED
         self.checks_left = self.options.replays_to_verify
+        self.payoff = measurement(self)
 
     def agreed_record(self, c: Call) -> Optional[Graph]:
         """Record the key's graph, and if its calls run collectives, agree with the other
@@ -334,14 +348,7 @@ class KeyLife:
             warn_user(message)
 
     def stats(self) -> KeyStats:
-        graph = self.graph
-        return KeyStats(
-            function=self.owner, key=self.label, state=WARMUP if self.phase == CAPTURE
-            else self.phase, calls=self.calls, eager_calls=self.eager_calls, replays=self.replays,
-            capture_seconds=graph.capture_seconds if graph else None,
-            graph_bytes=graph.memory_bytes if graph else 0,
-            fallback_reason=self.reason, bucket=self.bucket, sizes=dict(self.sizes) or None,
-            verified=self.verified)
+        return _key_stats(self)
 
 
 def _record(life: KeyLife, c: Call) -> Graph:

@@ -34,8 +34,6 @@ _NO_AUTOCAST = (False, False)
 
 
 def _autocast_state() -> tuple:
-    if not _any_autocast():  # one C call on the common path, not four
-        return _NO_AUTOCAST
     # torch >= 2.4 takes a device type; the dtype only matters while autocast is on.
     cuda = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
     cpu = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
@@ -52,7 +50,7 @@ def execution_state(training: Any) -> tuple:
     return (
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
-        _autocast_state(),
+        _autocast_state() if _any_autocast() else _NO_AUTOCAST,  # one C call, commonly
         # Before CUDA starts, the device that will be current is 0: a key made then must not
         # change when something (a compile saving the CUDA generators) starts CUDA lazily.
         _cuda_device() if torch.cuda.is_initialized() else 0,
@@ -136,6 +134,7 @@ class KeyedCall(NamedTuple):
     tensors: List[Tensor]
     identities: list  # objects keyed by identity
     addressed: List[int]  # indices of the tensors used by address
+    plain: bool = False  # only plain tensors, positionally: C++ guards can check it (_last_key)
 
 
 Resize = Optional[Dict[int, Tuple[int, int]]]  # tensor index -> (dim, size) of its static
@@ -161,10 +160,11 @@ def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
                 break
         else:
             if resize is None:
-                return KeyedCall((len(args), *map(tensor_meta, args), state), list(args), [], [])
+                return KeyedCall((len(args), *map(tensor_meta, args), state), list(args), [], [],
+                                 True)
             metas = [tensor_meta(t) if i not in resize else resized_meta(t, *resize[i])
                      for i, t in enumerate(args)]
-            return KeyedCall((len(args), *metas, state), list(args), [], [])
+            return KeyedCall((len(args), *metas, state), list(args), [], [], True)
     keying = _Keying(resize)
     parts = []
     for i, a in enumerate(args):

@@ -8,6 +8,8 @@ keeps its graph only if the replay beats eager.
 >>> payoff.verdict                            # None while undecided, then GRAPH or EAGER
 >>> payoff.figures()
 'replay 0.93 ms, eager 0.92 ms (medians of 4 calls each, GPU clock)'
+>>> life.payoff = measurement(life)           # the engine: at a key's capture
+>>> timed_call(life, call)                    # its calls until the verdict
 
 Both sides are timed the same way: from before the copy of the arguments in to after the
 copy of the outputs out for a replay, around the call for an eager run. A replay that is
@@ -45,10 +47,13 @@ class Payoff:
         return REPLAY if self._turn % 2 else EAGER_RUN
 
     def add(self, run: str, seconds: float) -> Optional[str]:
-        """Record one timed call; returns the verdict once there is one."""
+        """Record one timed call; returns the verdict once there is one (later timings are
+        not kept: the figures are those the verdict was made on)."""
+        if self.verdict is not None:
+            return self.verdict
         (self.replays if run == REPLAY else self.eagers).append(seconds)
         n = min(len(self.replays), len(self.eagers))
-        if self.verdict is not None or n < self.least:
+        if n < self.least:
             return self.verdict
         replay, eager = self.medians()
         if replay <= eager * (1 - self.margin):
@@ -133,3 +138,39 @@ class PendingTimings:
             run, timing = self.pending.pop(0)
             payoff.add(run, self.clock.seconds(timing))
         return payoff.verdict
+
+
+def measurement(life: Any) -> Optional[tuple]:
+    """What measures a key's payoff from its capture on (``_key_life.KeyLife.adopt``): a
+    ``Payoff`` and its ``PendingTimings``, or None where it is not measured (the option off,
+    a training key, a key measured before, a backend without a clock)."""
+    if life.trains or not life.options.check_payoff or life.gain is not None:
+        return None
+    clock = life.backend.payoff_clock(life.device)
+    return None if clock is None else (Payoff(), PendingTimings(clock))
+
+
+def timed_call(life: Any, c: Any) -> Any:
+    """A call of a key whose payoff is measured: replays and eager runs take turns, each
+    timed on the stream the call runs on; once the timings decide, the key keeps its graph
+    or runs eagerly, said once per function with the figures."""
+    payoff, pending = life.payoff
+    verdict = pending.collect(payoff)
+    if verdict is not None:
+        life.payoff, life.gain = None, payoff.gain()
+        if verdict == EAGER:
+            said = "payoff" in c.cache.said
+            c.cache.said.add("payoff")
+            life.fall_back(payoff.reason(), warn=not said, strict=False)
+            return life.run_eagerly(c)
+        return life.run(c)
+    run = payoff.next_run()
+    timing = pending.clock.start()
+    if run == REPLAY:
+        life.replays += 1
+        c.note(life, "replays")
+        outputs = life.graph.replay(c.tensors, c.padding)
+    else:
+        outputs = life.run_eagerly(c)
+    pending.add(run, pending.clock.stop(timing))
+    return outputs

@@ -304,18 +304,23 @@ class OutputPlan:
                 self.owned.append(leaf)
                 self._owned_leaves.append(len(self.plan) - 1)
         self.only_owned = all(type(p) is _Owned for p in self.plan)
+        self.pool = pool
+        self.handed_out: List[Any] = []
+        self._protect_static(policy, label)
+
+    def _protect_static(self, policy: str, label: str) -> None:
+        """With outputs='static' (on a CUDA build that can), the messages that stale aliases
+        raise, and their poisoning when this plan (and the graph's buffers) goes away."""
         self.static = (policy == "static" and _CAN_POISON and bool(self.owned)
                        and self.owned[0].is_cuda)
         if policy == "static" and self.owned and not self.static:
             logger.info("%s: outputs='static' needs a CUDA build of torch >= 2.6 to protect "
                         "stale outputs; returning copies instead", label)
-        self.pool = pool
         self.overwritten_message = (
             f"autograph: this output of {label} was overwritten by a later call: with "
             f"outputs='static', graphs of one function (or one region) reuse their buffers. "
             f"Clone it before the next call, or use outputs='copy'."
         )
-        self.handed_out: List[Any] = []
         if self.static:
             self.released_message = (
                 f"autograph: this output of {label} belonged to a graph that was released "

@@ -129,7 +129,8 @@ def shares_state(tensors: Sequence[Tensor], storages: Set[int]) -> bool:
     writes to the argument through that state; a graph's static copy of the argument is
     separate memory, so such a call must run eagerly (issue 21, item 5).
     """
-    return any(t.numel() and storage_ptr(t) in storages for t in tensors)
+    # Without storage_ptr's guard: sparse and nested arguments never reach a graph.
+    return any(t.untyped_storage().data_ptr() in storages for t in tensors if t.numel())
 
 
 # ---- what a function can reach: names for messages, and leaves whose .grad it may set ----

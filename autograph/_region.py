@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from . import _config
 from ._config import Options, check_option_names
 from ._engine import Engine, _is_compiling
 from ._graphed import GraphedForward, forward_signature, module_label
@@ -32,12 +33,17 @@ from ._stats import KeyStats
 
 @dataclasses.dataclass(frozen=True)
 class RegionStats:
-    """What one region did: counts of its calls, and snapshots of the keys it touched."""
+    """What one region did: counts of its calls, and snapshots of the keys it touched.
+
+    ``passed_through`` counts the calls that ran as plain calls, unkeyed, because their
+    function's keys churn (``report()`` has their row); they are among ``eager_calls``.
+    """
 
     captures: int
     replays: int
     eager_calls: int
     keys: List[KeyStats]
+    passed_through: int = 0
 
 
 class Region:
@@ -49,7 +55,7 @@ class Region:
         self.island = island  # a key's island (``_islands``): its fallbacks are not warned
         self.options_key = Options(**explicit)  # validated now, not at the first call
         self.pools = Pools()
-        self.captures = self.replays = self.eager_calls = 0
+        self.captures = self.replays = self.eager_calls = self.passed_through = 0
         # The keys its calls touched, held weakly: a region keeps no graph alive.
         self._touched: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._tallied: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
@@ -70,16 +76,27 @@ class Region:
             self.eager_calls += 1
             self._tallied[id(engine)] = engine
 
+    def pass_through(self) -> None:
+        """A call made in the region ran as a plain call: its function's keys churn."""
+        with self._lock:
+            self.eager_calls += 1
+            self.passed_through += 1
+
     def stats(self) -> RegionStats:
         """Counts of this region's captures, replays and eager calls, and its keys' stats."""
         with self._lock:
             keys = [life.stats() for life in list(self._touched.values())]
             engines = list(self._tallied.values())
         keys += [row for engine in engines for row in engine.tally_rows()]
-        return RegionStats(self.captures, self.replays, self.eager_calls, keys)
+        return RegionStats(self.captures, self.replays, self.eager_calls, keys,
+                           self.passed_through)
 
     def __enter__(self) -> "Region":
-        _install_module_call()
+        # A disabled region graphs no module call: it leaves nn.Module.__call__ as it is, so
+        # that its module calls cost what they cost outside (an enabled region open around
+        # or beside it has put the dispatcher in, which sends them to the original).
+        if self.enabled:
+            _install_module_call()
         enter_region(self)
         return self
 
@@ -87,7 +104,8 @@ class Region:
         try:
             leave_region(self)
         finally:
-            _remove_module_call()  # torch's global state comes back even if that failed
+            if self.enabled:
+                _remove_module_call()  # torch's global state comes back even if that failed
 
 
 register_islands(lambda options: Region(True, options, island=True))
@@ -129,7 +147,7 @@ def engine_of(module: torch.nn.Module) -> Any:
 
 
 def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
-    if _is_compiling():  # traced by Dynamo: the plain call, and no guard on engines made here
+    if _config.ENV.disable or _is_compiling():  # Dynamo: the plain call, no guard on engines
         return _original_call(module, *args, **kwargs)
     region = current_region()
     if region is None or not region.enabled or inside_a_graphed_call() or isinstance(

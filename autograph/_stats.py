@@ -28,7 +28,9 @@ class KeyStats:
     over a function's keys is the memory its graphs hold. ``bucket`` and ``sizes`` (calls
     by their real size) are set for bucketed keys; ``padding_waste`` follows from them.
     ``verified`` counts the replays that verify mode checked against an eager run and found
-    equal. Every field is a plain value: ``dataclasses.asdict(row)`` is JSON-ready.
+    equal. ``gain`` is eager's time over the replay's as measured on the GPU clock after
+    capture (``check_payoff``): 1.8 means the graph runs 1.8x as fast; below 1 the key went
+    eager. Every field is a plain value: ``dataclasses.asdict(row)`` is JSON-ready.
     """
 
     function: str
@@ -43,6 +45,7 @@ class KeyStats:
     bucket: Optional[int] = None  # bucketed keys: the capture size
     sizes: Optional[Dict[int, int]] = None  # bucketed keys: calls by their real size
     verified: int = 0  # replays checked against an eager run (verify=n) and found equal
+    gain: Optional[float] = None  # eager time / replay time, measured after capture
 
     @property
     def padding_waste(self) -> Optional[float]:
@@ -98,21 +101,23 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
     Without ``width`` (a file, a pipe) every column is there and each key is one line. With
     it, columns empty in every row are left out and, if the table is still wider, each
     fallback reason goes on wrapped lines under its row and long keys wrap in their column.
-    The ``verified`` column appears once verify mode checked a replay.
+    The ``verified`` column appears once verify mode checked a replay, ``gain`` once a key's
+    payoff was measured.
     """
-    header = ["function", "key", "state", "calls", "replays", "verified", "eager",
+    header = ["function", "key", "state", "calls", "replays", "verified", "eager", "gain",
               "capture ms", "MiB", "padding", "fallback reason"]
     body = [
         [r.function, r.key, r.state, str(r.calls), str(r.replays),
          str(r.verified) if r.verified else "", str(r.eager_calls),
+         "" if r.gain is None else f"{r.gain:.2f}x",
          "" if r.capture_seconds is None else f"{r.capture_seconds * 1e3:.1f}",
          _mib(r.graph_bytes) if r.graph_bytes else "",
          "" if r.padding_waste is None else f"{r.padding_waste:.0%}",
          r.fallback_reason or ""]
         for r in rows
     ]
-    optional = {"verified"} if width is None else {"verified", "capture ms", "MiB",
-                                                     "padding", "fallback reason"}
+    optional = {"verified", "gain"} if width is None else {
+        "verified", "gain", "capture ms", "MiB", "padding", "fallback reason"}
     keep = [i for i, name in enumerate(header)
             if name not in optional or any(line[i] for line in body)]
     header, body = [header[i] for i in keep], [[line[i] for i in keep] for line in body]

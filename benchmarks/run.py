@@ -13,6 +13,7 @@ Cases (letters for --cases; estimated wall time on an H200, process start includ
   f  HF Llama decode at batch 1..64 with buckets, P50/P99 latency     ~60-90 s
   g  torch.compile stacked with autograph on the decode step of (b)   ~2-3 min
   t  training (benchmarks/case_training.py, when present)
+  n  never slower: HF generate() in a region (3 caches), a GPU-bound MLP  ~60-90 s
 
 Each case module ``benchmarks/case_*.py`` has a function ``case_x(rows, with_compile)`` that
 appends rows (dicts: case, variant, value, unit, note, kind, and for line charts series and
@@ -70,8 +71,10 @@ CASES = {
     "f": ("case_decode", "case_decode", 90, "HF Llama decode, batch 1..64, buckets"),
     "g": ("case_compile", "case_compile", 180, "torch.compile and autograph"),
     "t": ("case_training", "case_training", 120, "training"),
+    "n": ("case_never_slower", "case_never_slower", 90,
+          "never slower: generate() in a region, GPU-bound MLP"),
 }
-DEFAULT_CASES = "abcdefgt"
+DEFAULT_CASES = "abcdefgtn"
 
 
 # ---- one case, in its own process ----

@@ -326,24 +326,55 @@ def test_the_key_cache_is_bounded(device):
     def f(x):
         return x * 2
 
-    with pytest.warns(autograph.AutographWarning, match="each had a new key"):
-        for n in range(1, 301):
-            f(torch.zeros(n, device=device))
+    served = torch.zeros(1000, device=device)  # a graphed key that replays between new keys,
+    for n in range(1, 301):                    # so that calls stay keyed (no churn)
+        f(served)
+        f(torch.zeros(n, device=device))
     assert len(f.stats()) == 256
+    assert f.stats()[0].replays == 299 and f.stats()[0].state == "graphed"
 
 
-def test_keys_that_never_repeat_are_said_once_with_what_changes(device, caught):
+def test_keys_that_never_repeat_pass_through_said_once_with_what_changes(device, caught):
     @autograph.graphed
     def f(x, mask):
         return x * mask.sum()
 
     for n in range(1, 40):
-        f(torch.ones(2, device=device), torch.ones(1, n, device=device))
+        out = f(torch.ones(2, device=device), torch.ones(1, n, device=device))
+        assert torch.equal(out, torch.full((2,), float(n), device=device))
     messages = autograph_warnings(caught)
     assert len(messages) == 1
-    assert "each had a new key" in messages[0]
+    assert "16 new keys, and no graph replayed" in messages[0]
     assert (f"mask: f32[1, 15] {device_label(device)} became mask: f32[1, 16] "
             f"{device_label(device)}.") in messages[0]
+    # 16 keys, 16 calls passed through, a look (a new key), 6 calls of the next 32 passed.
+    *keys, passed = f.stats()
+    assert len(keys) == 17 and all(r.replays == 0 for r in keys)
+    assert (passed.key, passed.state, passed.calls) == (
+        "calls passed through (keys churn)", "eager", 16 + 6)
+    assert "1 look(s)" in passed.fallback_reason
+
+
+def test_calls_passed_through_in_a_region_are_counted_by_it(device):
+    model = torch.nn.Linear(2, 2).to(device)
+    with autograph.region() as region, torch.no_grad():
+        for n in range(1, 30):
+            model(torch.ones(n, 2, device=device))
+    stats = region.stats()
+    assert len(stats.keys) == 16 and stats.passed_through == 13
+    assert stats.eager_calls == 29 and stats.captures == 0
+
+
+def test_a_server_calling_at_many_batch_sizes_in_turn_is_graphed_not_passed_through(device):
+    model = torch.nn.Linear(2, 2).to(device)
+    sizes = range(1, 16)  # 15 sizes in turn: no key repeats before the 16th call
+    with autograph.region(max_graphs=16) as region, torch.no_grad():
+        for _ in range(3):
+            for n in sizes:
+                model(torch.ones(n, 2, device=device))
+    stats = region.stats()
+    assert stats.passed_through == 0 and stats.captures == 15
+    assert [r.state for r in stats.keys] == ["graphed"] * 15
 
 
 # ---- binding ----

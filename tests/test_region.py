@@ -164,8 +164,8 @@ def global_state():
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cpu"),
         torch.cuda.is_available() and torch.cuda.is_current_stream_capturing(),
-        list(getattr(_scope._thread, "regions", [])),    # a copy: the stack is mutated
-        getattr(_scope._thread, "depth", 0),
+        list(getattr(_scope.thread, "regions", [])),    # a copy: the stack is mutated
+        getattr(_scope.thread, "depth", 0),
     )
 
 
@@ -306,7 +306,7 @@ def test_a_region_left_in_another_thread_still_restores_module_call():
     leaving.join()
     assert torch.nn.Module.__call__ is original
     assert errors and errors[0] is not None        # leaving from another thread is an error
-    _scope._thread.regions.remove(region)          # this thread's stack, tidied by hand
+    _scope.thread.regions.remove(region)          # this thread's stack, tidied by hand
 
 
 def _exit_catching(region):
