@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -55,6 +56,11 @@ def _aliases_what_it_uses(tensors: List[Tensor], written: List[int], by_address:
     shares memory with state it uses by address: a graph's static copy would not see it."""
     return bool(written) and shares_written_memory(tensors, written) or \
         shares_state(tensors, by_address)
+
+
+def _alive(storages: Dict[int, Any]) -> set:
+    """The addresses of those weakly held storages that are still alive."""
+    return {ptr for ptr, storage in storages.items() if storage() is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +131,7 @@ class KeyLife:
         self.strict_error: Optional[str] = None  # raised on every call under strict=True
         self.graph: Any = None
         self.written: List[int] = []  # arguments the watched warmup wrote to
-        self.by_address: set = set()  # and the storages it used by address
+        self.by_address: dict = {}  # and the storages it used by address, held weakly
         self.uses_cudnn = False  # seen at warmup: a capture thread needs a cuDNN handle
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
@@ -182,7 +188,7 @@ class KeyLife:
         if self.phase == WARMUP:
             return self._warmup(c)
         if self.phase == CAPTURE:
-            if _aliases_what_it_uses(c.tensors, self.written, self.by_address):
+            if _aliases_what_it_uses(c.tensors, self.written, _alive(self.by_address)):
                 return self.run_eagerly(c)
             outputs = self._capture(c)
             if outputs is not MISS:
@@ -239,7 +245,11 @@ class KeyLife:
         self.uses_cudnn = detector.uses_cudnn
         self.warmup_thread = threading.get_ident()
         leaves = flatten_output(outputs)[0]
-        self.written, self.by_address = watch.written_arguments(c.tensors), set(watch.external)
+        self.written = watch.written_arguments(c.tensors)
+        # Weakly: a storage freed before the capture is no state, and the allocator may hand
+        # its address to a later argument (an argument there is no alias of anything).
+        self.by_address = {ptr: weakref.ref(t.untyped_storage())
+                           for ptr, t in watch.external.items()}
         self.state_written = [] if c.padding is None else state_written(c, watch)
         if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
                                            for o in leaves):

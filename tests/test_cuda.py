@@ -186,11 +186,17 @@ def static_cache(transformers, config, length=64):
     return transformers.StaticCache(config=config, max_cache_len=length)
 
 
+class Decoded(list):
+    """The logits of every step, holding the StaticCache they were made with: keys of a
+    cache are held weakly and go when it dies, so a test that reads stats keeps it."""
+
+
 def static_decode(model, transformers, config, prompt, tokens):
     """A prefill of ``prompt``, then one step per token of ``tokens``, with a fresh
-    StaticCache, under inference_mode; the logits of every step."""
+    StaticCache, under inference_mode; the logits of every step (``.cache``: the cache)."""
     cache = static_cache(transformers, config)
-    logits = []
+    logits = Decoded()
+    logits.cache = cache
     with torch.inference_mode():
         model(input_ids=prompt, past_key_values=cache, use_cache=True,
               cache_position=torch.arange(prompt.shape[1], device="cuda"))
@@ -210,7 +216,7 @@ def test_hf_llama_decode_with_static_cache_matches_eager(caught):
     def decode(m):
         return static_decode(m, transformers, config, prompt, tokens)
 
-    expected, got = decode(eager_model), decode(graphed_model)
+    expected, got = decode(eager_model), decode(graphed_model)  # got holds its cache
     for step, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"decode step {step} differs"
     prefill_row, decode_row = graphed_model.forward.stats()

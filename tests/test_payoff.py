@@ -233,8 +233,10 @@ def test_on_cuda_a_gpu_bound_key_is_measured_and_gets_a_verdict():
 
     x = torch.randn(4096, 4096, device="cuda")
     expected = (x @ w).relu() @ w
-    for _ in range(60):
+    for i in range(80):
         out = f(x)
+        if i % 8 == 7:  # let the GPU catch up: timings are read once their events passed
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     assert torch.allclose(out, expected, rtol=1e-3, atol=1e-3)
     row, = f.stats()

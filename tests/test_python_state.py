@@ -285,10 +285,12 @@ def test_generate_with_a_sliding_window_static_cache_in_a_region_gives_eagers_to
     region_model = copy.deepcopy(model)
     prompt = torch.randint(0, 256, (1, prompt_length), device=device)
 
+    caches = []  # held: a cache's keys are held weakly and go when it dies
+
     def generate(m):
-        cache = transformers.StaticCache(config=config, max_cache_len=64)
+        caches.append(transformers.StaticCache(config=config, max_cache_len=64))
         return m.generate(prompt, max_new_tokens=30 if prompt_length < 16 else 12,
-                          do_sample=False, past_key_values=cache)
+                          do_sample=False, past_key_values=caches[-1])
 
     with torch.inference_mode():
         expected = generate(model)
