@@ -43,7 +43,7 @@ def _seconds(call):
     return time.perf_counter() - start, out
 
 
-def _generate_rows(rows, label, model, region_model, ids, reference_tokens, options):
+def _generate_rows(rows, label, model, region_model, ids, options):
     """Eager and in-a-region generate(), interleaved, ``options()`` giving each call's extra
     arguments; returns the region's tokens/s and its row."""
     def eager():
@@ -63,11 +63,15 @@ def _generate_rows(rows, label, model, region_model, ids, reference_tokens, opti
         _seconds(in_region)
     times = {"eager": [], "region": []}
     for _ in range(ROUNDS):
+        outs = {}
         for name, call in (("eager", eager), ("region", in_region)):
-            seconds, out = _seconds(call)
+            seconds, outs[name] = _seconds(call)
             times[name].append(seconds)
-            if not torch.equal(out, reference_tokens):
-                raise AssertionError(f"{label}: {name}'s tokens differ from eager's")
+        # Against the same round's eager run: transformers may compile a StaticCache's decode
+        # step from its second call on, and bf16 compiled kernels can pick other tokens than
+        # an earlier, uncompiled call did.
+        if not torch.equal(outs["region"], outs["eager"]):
+            raise AssertionError(f"{label}: the region's tokens differ from eager's")
     rates = {name: NEW_TOKENS * ids.shape[0] / statistics.median(t) for name, t in times.items()}
     add_row(rows, NAME, f"{label}: eager", rates["eager"], unit="tok/s", kind="eager")
     stats = last[0]
@@ -82,19 +86,20 @@ def _generate_rows(rows, label, model, region_model, ids, reference_tokens, opti
 
 
 def case_never_slower(rows, with_compile):
+    _gpu_bound_mlp(rows, device())  # first: its row stands even if a generate() row fails
     transformers, config, model = llama_setup()
     dev = device()
     ids = torch.randint(0, 1024, (1, 16), device=dev)
     with torch.inference_mode():
         progress("generate() with the default cache")
-        reference = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)  # warms eager up
         _generate_rows(rows, "DynamicCache (default)", model, copy.deepcopy(model), ids,
-                       reference, options=dict)
+                       options=dict)
         progress('generate(cache_implementation="static")')
-        reference = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                   cache_implementation="static")
+        model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                       cache_implementation="static")
         static_rate, static_row = _generate_rows(
-            rows, 'cache_implementation="static"', model, copy.deepcopy(model), ids, reference,
+            rows, 'cache_implementation="static"', model, copy.deepcopy(model), ids,
             options=lambda: {"cache_implementation": "static"})
         progress("generate() with the user's own StaticCache")
         cache_len = ids.shape[1] + NEW_TOKENS
@@ -109,14 +114,12 @@ def case_never_slower(rows, with_compile):
             return {"past_key_values": cache}
 
         region_model = copy.deepcopy(model)
-        reference = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                   **users_cache(model))
+        model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **users_cache(model))
         user_rate, _ = _generate_rows(
             rows, "the user's StaticCache", _Caller(model, users_cache),
-            _Caller(region_model, users_cache), ids, reference, options=dict)
+            _Caller(region_model, users_cache), ids, options=dict)
         static_row["note"] += (f"; {static_rate / user_rate:.3f}x the user-StaticCache "
                                f"region's tokens/s (target >= 0.9x)")
-    _gpu_bound_mlp(rows, dev)
 
 
 class _Caller:
