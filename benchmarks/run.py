@@ -14,6 +14,7 @@ Cases (letters for --cases; estimated wall time on an H200, process start includ
   g  torch.compile stacked with autograph on the decode step of (b)   ~2-3 min
   t  training (benchmarks/case_training.py, when present)
   n  never slower: HF generate() in a region (3 caches), a GPU-bound MLP  ~60-90 s
+  i  islands: autograph.graphed(model.generate) beside generate() in a region  ~30-60 s
 
 Each case module ``benchmarks/case_*.py`` has a function ``case_x(rows, with_compile)`` that
 appends rows (dicts: case, variant, value, unit, note, kind, and for line charts series and
@@ -73,8 +74,9 @@ CASES = {
     "t": ("case_training", "case_training", 120, "training"),
     "n": ("case_never_slower", "case_never_slower", 90,
           "never slower: generate() in a region, GPU-bound MLP"),
+    "i": ("case_islands", "case_islands", 60, "islands: graphed(model.generate)"),
 }
-DEFAULT_CASES = "abcdefgtn"
+DEFAULT_CASES = "abcdefgtni"
 
 
 # ---- one case, in its own process ----
