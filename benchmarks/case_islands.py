@@ -6,7 +6,10 @@ generate()'s key runs eagerly and its model calls are graphed as islands, as a r
 them. The Llama of case (b) (8 layers, hidden 512, bf16, batch 1), 64 new tokens, greedy, the
 user's own StaticCache (one per model, reset in place before each call). Rounds interleave the
 three, one generate() call each; tokens are checked against the same round's eager call. About
-30-60 s on an H200."""
+30-60 s on an H200. ``disable_compile=True``: with a StaticCache on CUDA, transformers (5.17)
+compiles the decode step itself with CUDA graphs (torch.compile's CUDAGraph Trees), and
+autograph.graphed(model.generate) around that path fails ("tensors in the cudagraph pool not
+tracked as outputs", seen on the H200): a limit, in README Limits."""
 from __future__ import annotations
 
 import copy
@@ -37,7 +40,8 @@ def case_islands(rows, with_compile):
     def run(m, generate):
         cache = caches[id(m)]
         cache.reset()  # in place: the addresses the graphs read hold
-        return generate(ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
+        return generate(ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+                        disable_compile=True)
 
     def in_region():
         with autograph.region():
