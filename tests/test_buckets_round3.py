@@ -182,7 +182,7 @@ def _eager_with_the_reason_or_right(fn):
         assert row.state == "graphed" and row.replays >= 2
 
 
-def test_a_mean_over_the_batch_is_eager_with_the_reason_or_right(device):
+def test_a_mean_over_the_batch_is_eager_with_the_reason_or_right(device, caught):
     @autograph.graphed(buckets=[4])
     def centre(x):
         return x - x.mean(0)
@@ -194,7 +194,7 @@ def test_a_mean_over_the_batch_is_eager_with_the_reason_or_right(device):
     _eager_with_the_reason_or_right(centre)
 
 
-def test_batch_norm_in_train_mode_is_eager_with_the_reason_or_right(device):
+def test_batch_norm_in_train_mode_is_eager_with_the_reason_or_right(device, caught):
     norm = torch.nn.BatchNorm1d(5).to(device).train()
     reference = torch.nn.BatchNorm1d(5).to(device).train()
     graphed = autograph.graphed(norm, buckets=[4])
@@ -208,7 +208,7 @@ def test_batch_norm_in_train_mode_is_eager_with_the_reason_or_right(device):
     _eager_with_the_reason_or_right(graphed)
 
 
-def test_a_returned_batch_size_is_eager_with_the_reason_or_right(device):
+def test_a_returned_batch_size_is_eager_with_the_reason_or_right(device, caught):
     @autograph.graphed(buckets=[4])
     def with_size(x):
         return x * 2, x.shape[0]

@@ -305,7 +305,7 @@ class Request:
         self.buffer = torch.zeros(1 << 16, device=device)
 
 
-def test_objects_keyed_by_identity_are_not_kept_alive(device):
+def test_objects_keyed_by_identity_are_not_kept_alive(device, caught):
     @autograph.graphed
     def f(x, request):
         return x + request.buffer[:1]
@@ -355,7 +355,7 @@ def test_keys_that_never_repeat_pass_through_said_once_with_what_changes(device,
     assert "1 look(s)" in passed.fallback_reason
 
 
-def test_calls_passed_through_in_a_region_are_counted_by_it(device):
+def test_calls_passed_through_in_a_region_are_counted_by_it(device, caught):
     model = torch.nn.Linear(2, 2).to(device)
     with autograph.region() as region, torch.no_grad():
         for n in range(1, 30):

@@ -67,7 +67,7 @@ def test_strict_still_raises_for_the_functions_own_fallback(device):
             f(torch.randn(4, 8, device=device))
 
 
-def test_a_graphed_module_that_falls_back_graphs_its_submodule_calls(device):
+def test_a_graphed_module_that_falls_back_graphs_its_submodule_calls(device, caught):
     class Branchy(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -90,7 +90,7 @@ def test_a_graphed_module_that_falls_back_graphs_its_submodule_calls(device):
     assert sum(r.replays for r in _island_rows(rows)) > 0
 
 
-def test_the_global_report_lists_each_module_once(device):
+def test_the_global_report_lists_each_module_once(device, caught):
     m = _model(device)
     f = autograph.graphed(_branchy(m))
     with torch.no_grad():

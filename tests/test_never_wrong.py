@@ -118,7 +118,7 @@ def test_an_output_object_that_holds_itself_is_returned_without_an_endless_walk(
     assert isinstance(out, Cyclic)
 
 
-def test_verify_compares_what_a_slotted_output_holds(device):
+def test_verify_compares_what_a_slotted_output_holds(device, caught):
     scale = [2.0]
 
     @autograph.graphed(verify=1)
@@ -458,7 +458,7 @@ def _counting_backward_hook(calls):
 
 
 @pytest.mark.parametrize("kind", ["full", "pre", "global"])
-def test_a_module_backward_hook_runs_eagerly_as_often_as_eagerly(device, kind):
+def test_a_module_backward_hook_runs_eagerly_as_often_as_eagerly(device, kind, caught):
     # The graphed module's own hooks wrap its graphed forward; an inner module's run inside.
     model = torch.nn.Sequential(torch.nn.Linear(3, 2)).to(device)
     calls = []
@@ -486,7 +486,7 @@ def test_a_module_backward_hook_runs_eagerly_as_often_as_eagerly(device, kind):
     assert "Tensor.register_hook" in key.fallback_reason
 
 
-def test_the_graphed_modules_own_backward_hook_runs_outside_its_graph(device):
+def test_the_graphed_modules_own_backward_hook_runs_outside_its_graph(device, caught):
     model = torch.nn.Linear(3, 2).to(device)
     calls = []
     model.register_full_backward_hook(_counting_backward_hook(calls))
@@ -695,7 +695,7 @@ def test_new_static_argnames_tensors_keep_being_graphed_past_max_graphs(device):
     assert states(f) == []
 
 
-def test_a_region_does_not_keep_a_module_with_a_backward_hook_alive(device):
+def test_a_region_does_not_keep_a_module_with_a_backward_hook_alive(device, caught):
     model = torch.nn.Linear(3, 2).to(device)
     model.register_full_backward_hook(lambda module, grad_in, grad_out: None)
     x = torch.ones(4, 3, device=device)

@@ -179,7 +179,7 @@ def test_a_key_whose_replay_beats_eager_keeps_its_graph_and_shows_its_gain(payof
     assert "gain" in text.getvalue() and "3.00x" in text.getvalue()
 
 
-def test_within_the_margin_more_samples_are_taken_and_a_tie_goes_eager(payoff_clock):
+def test_within_the_margin_more_samples_are_taken_and_a_tie_goes_eager(payoff_clock, caught):
     python_runs = payoff_clock(replay=1e-3, eager=1e-3)
     f = graphed_counting(python_runs)
     for _ in range(40):

@@ -318,7 +318,7 @@ class Record:
     count = 0
 
 
-def test_a_counter_on_the_module_an_argument_or_a_global_runs_eagerly_and_counts(device):
+def test_a_counter_on_the_module_an_argument_or_a_global_runs_eagerly_and_counts(device, caught):
     global calls_made
     model = autograph.graphed(Counting().to(device))
     record = Record()    # an object keyed by identity
@@ -378,7 +378,7 @@ def test_capture_ahead_of_an_sgd_momentum_step_leaves_the_optimizer_as_before(de
     assert states(step) == [("graphed", 6, 1, 5)]
 
 
-def test_a_capture_that_fails_after_changing_python_state_leaves_it_as_eager_would(device):
+def test_a_capture_that_fails_after_changing_python_state_leaves_it_as_eager_would(device, caught):
     """A capture that the guard stops part-way has run some of the function's Python (here a
     counter, as a sliding-window cache layer's) before the op it refused; the eager run that
     follows must start from the state before the capture, or the counter moves twice (on the
