@@ -55,7 +55,7 @@ def _aliases_what_it_uses(tensors: List[Tensor], written: List[int], by_address:
     """Whether an argument it writes shares memory with another argument, or an argument
     shares memory with state it uses by address: a graph's static copy would not see it."""
     return bool(written) and shares_written_memory(tensors, written) or \
-        shares_state(tensors, by_address)
+        bool(by_address) and shares_state(tensors, by_address)
 
 
 def _alive(storages: Dict[int, Any]) -> set:
