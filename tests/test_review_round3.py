@@ -9,6 +9,10 @@ import torch
 import autograph
 from conftest import python_run_log, states
 
+# These attacks make keys fall back on purpose: their warnings are recorded (conftest's
+# ``caught``), so that a run's warnings summary shows only what is unexpected.
+pytestmark = pytest.mark.usefixtures("caught")
+
 
 def _mlp(device, seed=0):
     torch.manual_seed(seed)
