@@ -44,7 +44,8 @@ class Backend(Protocol):
 
     def is_capturing(self) -> bool:
         """Whether this thread is inside a capture of this backend (a call made then is part
-        of the enclosing graph)."""
+        of the enclosing graph). Asked of the emulation; CUDA's own capture state is read
+        inline by ``_devices.why_not_keyed``, on every call, without a backend method."""
 
     def eager_stream(self, device: int) -> ContextManager[Any]:
         """Where an eager call that may build an autograd graph runs."""

@@ -146,12 +146,6 @@ class CudaGraphs:
     device_type = "cuda"
 
     @staticmethod
-    def is_capturing() -> bool:
-        # torch.cuda.is_current_stream_capturing() without its Python wrapper: asked on every
-        # call of a graphed function.
-        return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
-
-    @staticmethod
     def prepare_backward(device: int, cudnn: bool) -> None:
         make_library_handles(device, cudnn, backward=True)
 
