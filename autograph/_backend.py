@@ -10,7 +10,7 @@ engine, the graphs and the pools speak only this interface (docs/design.md, "Bac
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, ContextManager, List, Optional, Set
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Set
 
 try:
     from typing import Protocol
@@ -39,8 +39,10 @@ class Backend(Protocol):
         """A new memory pool handle for graphs on ``device``."""
 
     def capture(self, run: Callable[[], Any], device: int, pool: Any,
-                uses_cudnn: bool = False) -> Capture:
-        """Record ``run()`` into a graph; its exception goes to ``Capture.error``."""
+                uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
+        """Record ``run()`` into a graph; its exception goes to ``Capture.error``.
+        ``generators``: the private random generators ``run()`` draws from (its warmup saw
+        them), which replays must advance as eager calls do."""
 
     def is_capturing(self) -> bool:
         """Whether this thread is inside a capture of this backend (a call made then is part

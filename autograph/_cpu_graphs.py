@@ -28,7 +28,7 @@ import contextlib
 import sys
 import threading
 import time
-from typing import Any, Callable, ContextManager, Iterator, List, Set
+from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Set
 
 import torch
 from . import _devices
@@ -135,8 +135,12 @@ class CpuGraphs:
         return None
 
     def capture(self, run: Callable[[], Any], device: int, pool: Any,
-                uses_cudnn: bool = False) -> Capture:
+                uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
         """Record ``run()`` and undo its effects; its exception goes to ``error``, not raised.
+
+        Every generator the recording draws from, private or not, is found as it runs, put
+        back after it and drawn from afresh by each replay: as CUDA does with the generators
+        registered with its graph (``generators``, which need no registering here).
 
         ``memory_bytes`` is the memory the recording allocated, which the graph holds.
         """

@@ -19,7 +19,7 @@ import gc
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, List, Set, Union
+from typing import Any, Callable, Iterator, List, Sequence, Set, Union
 
 import torch
 
@@ -140,6 +140,31 @@ def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Strea
         del reset
 
 
+def _register(graph: "torch.cuda.CUDAGraph", generators: Sequence[Any]) -> None:
+    """Register the private CUDA generators the call draws from with ``graph``, before its
+    capture begins (``CUDAGraph.register_generator_state``, torch >= 2.4).
+
+    A capture records a draw from a registered generator as "at the generator's offset when
+    the replay starts, plus the draws before it in the graph", and a replay advances the
+    offset by all of its draws: replays draw what eager calls would, and advance the generator
+    as they do. torch registers the default generator itself. An unregistered private one
+    makes torch refuse the capture ("CUDA generator ... not in capture mode"), which the guard
+    turns into an eager key whose reason names the generator: torch < 2.4, or a generator the
+    warmup did not draw from. Newer torch registers a generator at its first draw in a capture
+    and deprecates the call (pytorch/pytorch#176753): its warning is silenced here, and where
+    the call is gone nothing needs it.
+    """
+    register = getattr(graph, "register_generator_state", None)
+    if register is None:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        for generator in generators:
+            if generator.device.type == "cuda":
+                register(generator)
+
+
 class CudaGraphs:
     """The real backend: ``torch.cuda.CUDAGraph`` on one capture stream per device."""
 
@@ -190,9 +215,10 @@ class CudaGraphs:
         return _capture_stream(device)
 
     def capture(self, run: Callable[[], Any], device: int, pool: Any,
-                uses_cudnn: bool = False) -> Capture:
+                uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
         graph = torch.cuda.CUDAGraph()
         result = Capture(graph)
+        _register(graph, generators)
         with _capture_lock, torch.cuda.device(device), _no_garbage_collection():
             caller = torch.cuda.current_stream(device)
             stream = _capture_stream(device)

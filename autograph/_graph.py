@@ -39,8 +39,8 @@ class Graph:
         self.by_address = set(recorded.watch.external)
         # Set (by the read watch) to the name of a tensor read by address that was freed.
         self.invalid_reason: Optional[str] = None
-        self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey]] = (
-            recorded.watch.external, recorded.survey)
+        self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey, Sequence[Any]]] = (
+            recorded.watch.external, recorded.survey, recorded.drawn)
         # The .grad of leaves its backward writes, if it ran one (None if none: asked per call).
         grads = GradSlots(recorded.survey, recorded.watch.written)
         self.grads: Optional[GradSlots] = grads if grads else None
@@ -82,10 +82,11 @@ class Graph:
         return self.invalid_reason is None
 
     def watch_reads(self) -> None:
-        """Hold the tensors read by address weakly from now on (call after the first replay:
-        until then the recording keeps them alive, even those the function rebound)."""
+        """Hold the tensors read by address, and the private generators drawn from, weakly
+        from now on (call after the first replay: until then the recording keeps them alive,
+        even those the function rebound)."""
         if self._unwatched is not None:
-            external, survey = self._unwatched
+            external, survey, drawn = self._unwatched
             self._unwatched = None
             # Buffers that compiled code allocates outside the dispatcher (Inductor's) reach
             # the watch as if they were older than the capture: those in the graph's own pool
@@ -93,7 +94,7 @@ class Graph:
             own = self.pool.backend.allocated_in_pool(self.handle, self.pool.device,
                                                       list(external))
             external = {ptr: t for ptr, t in external.items() if ptr not in own}
-            self.watch = ReadWatch(self, external, survey)
+            self.watch = ReadWatch(self, external, survey, drawn)
             self.slots = SlotWatch(survey, external)
             self.inputs.forget_addressed()
 

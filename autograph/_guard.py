@@ -38,7 +38,7 @@ import re
 import sys
 import traceback
 from types import FrameType, TracebackType
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -277,6 +277,8 @@ class UnsafeOpDetector(CompiledCodeRunsUnder):
         self.raise_on_unsafe = raise_on_unsafe
         self.finding: Optional[Finding] = None
         self.uses_cudnn = False  # whether a capture must first create a cuDNN handle
+        # The private random generators the call draws from: a CUDA capture registers them.
+        self.generators: List[torch.Generator] = []
 
     def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
         if self.finding is None:
@@ -289,6 +291,12 @@ class UnsafeOpDetector(CompiledCodeRunsUnder):
         kwargs = kwargs or {}
         if not self.uses_cudnn and any(part in func.__name__ for part in _CUDNN_OPS):
             self.uses_cudnn = True
+        generator = kwargs.get("generator")
+        # An op sees a new Python object for the same generator at each draw: told apart by
+        # the generator's own identity (``_cdata``, docs/design.md "Private torch APIs").
+        if generator is not None and \
+                all(generator._cdata != g._cdata for g in self.generators):
+            self.generators.append(generator)
         keys = _composite_keys(func, args, kwargs)
         if keys is not None:
             # Run the op as the dispatcher would below this mode, its parts seen by the mode:
@@ -338,7 +346,9 @@ _CAPTURE_ERRORS = (
     ("Offset increment outside graph capture", "left the CUDA random generator unusable"),
     ("during CUDA graph capture", "is not allowed during CUDA graph capture"),
     ("graph capture", "failed during CUDA graph capture"),
-    ("CUDA generator", "uses a CUDA random generator that the capture does not know"),
+    ("CUDA generator", "uses a CUDA random generator that the capture does not know (one "
+     "made inside the function, or first drawn from in the capture; torch < 2.4 graphs no "
+     "private generator). Make the generator once, outside the function"),
 )
 _OPTIMIZER_REFUSED = re.compile(
     r"graph capture of step\(\) for an instance of (\w+) but param_groups' capturable is False")

@@ -114,10 +114,10 @@ class KeyLife:
 
     __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
                  "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
-                 "strict_error", "graph", "written", "by_address", "uses_cudnn", "warmup_thread",
-                 "strong_identities", "identity_ids", "bucket", "sizes", "trains", "payoff",
-                 "gain", "checks_left", "verified", "padded_runs", "state_written", "groups",
-                 "island", "__weakref__")
+                 "strict_error", "graph", "written", "by_address", "uses_cudnn", "generators",
+                 "warmup_thread", "strong_identities", "identity_ids", "bucket", "sizes",
+                 "trains", "payoff", "gain", "checks_left", "verified", "padded_runs",
+                 "state_written", "groups", "island", "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -132,7 +132,7 @@ class KeyLife:
         self.graph: Any = None
         self.written: List[int] = []  # arguments the watched warmup wrote to
         self.by_address: dict = {}  # and the storages it used by address, held weakly
-        self.uses_cudnn = False  # seen at warmup: a capture thread needs a cuDNN handle
+        self.uses_cudnn, self.generators = False, ()  # seen at warmup: see watched_warmup
         self.warmup_thread: Optional[int] = None  # the thread whose handles the warmup made
         self.strong_identities: list = []  # identity-keyed objects that have no weakref
         self.identity_ids: List[int] = []  # ids of the objects it keys by identity
@@ -242,7 +242,7 @@ class KeyLife:
         if isinstance(collectives, CollectiveWatch):
             self.groups = collectives.groups
         self.warmups += 1
-        self.uses_cudnn = detector.uses_cudnn
+        self.uses_cudnn, self.generators = detector.uses_cudnn, tuple(detector.generators)
         self.warmup_thread = threading.get_ident()
         leaves = flatten_output(outputs)[0]
         self.written = watch.written_arguments(c.tensors)
@@ -370,9 +370,10 @@ def _record(life: KeyLife, c: Call) -> Graph:
     # The warmup's cuDNN ops made this thread's handle; another thread needs one made
     # before its capture, and making it (a small convolution) costs a fraction of a second.
     cudnn = life.uses_cudnn and life.warmup_thread != threading.get_ident()
+    # The private random generators the warmup drew from: CUDA registers them with the graph.
     request = CaptureRequest(c.call, c.args, c.kwargs, c.tensors, life.backend, life.device,
                              pool, life.options.outputs, label, life.function.roots(c), cudnn,
-                             c.padding, c.addressed)
+                             c.padding, c.addressed, life.generators)
     with nested_calls(), profile_range("capture", life.function.name, life.label):
         graph = (TrainingGraph if life.trains else Graph).record(request)
     logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,

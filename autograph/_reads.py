@@ -153,6 +153,9 @@ class Survey:
         # its key, and the tensor found there (``_slots``).
         self.slots: Dict[int, Tuple[Any, str, str, Tensor]] = {}
         self.leaves: Dict[int, Tuple[Tensor, Optional[Tensor], str]] = {}
+        # The random generators reachable, by the generator's identity: the caller's objects
+        # (an op is handed a new Python object for the same generator at each draw).
+        self.generators: Dict[int, Tuple[torch.Generator, str]] = {}
         self._seen: Set[int] = set()
         self._budget = _MAX_NODES
         for path, root in roots:
@@ -171,6 +174,9 @@ class Survey:
                     self.slots[ptr] = (*slot, obj)
             if obj.requires_grad and obj.is_leaf and id(obj) not in self.leaves:
                 self.leaves[id(obj)] = (obj, obj.grad, path)
+            return
+        if isinstance(obj, torch.Generator):
+            self.generators.setdefault(obj._cdata, (obj, path))
             return
         if left == 0 or isinstance(obj, (str, bytes, int, float, type, type(None),
                                          types.ModuleType)):
@@ -293,15 +299,21 @@ def _mark_invalid(graph_ref: "weakref.ref[Any]", name: str, _: Any) -> None:
 
 
 class ReadWatch:
-    """Weak references to the storages a graph reads by address, each with a callback that
-    marks the graph invalid when its storage is freed."""
+    """Weak references to the storages a graph reads by address, and to the private random
+    generators it draws from (those the survey reached), each with a callback that marks the
+    graph invalid when it is freed: a generator rebound to a new one (``g =
+    torch.Generator(...)`` again) leaves the graph drawing from the old one, which it holds."""
 
-    def __init__(self, graph: Any, external: Dict[int, Tensor], survey: Survey):
+    def __init__(self, graph: Any, external: Dict[int, Tensor], survey: Survey,
+                 drawn: Sequence[torch.Generator] = ()):
         graph_ref = weakref.ref(graph)
         self.refs: List[Any] = [
             weakref.ref(tensor.untyped_storage(),
                         functools.partial(_mark_invalid, graph_ref, survey.name(tensor)))
             for tensor in external.values()]
+        found = [survey.generators.get(g._cdata) for g in drawn]
+        self.refs += [weakref.ref(generator, functools.partial(_mark_invalid, graph_ref, path))
+                      for generator, path in filter(None, found)]
 
 
 _ANY = object()  # a slot whose graph does not depend on the .grad it finds

@@ -84,6 +84,7 @@ class CaptureRequest:
     uses_cudnn: bool = False
     padding: Any = None  # a bucket's Padding, or None
     addressed: Sequence[int] = ()  # arguments used by address (static_argnames)
+    generators: Sequence[Any] = ()  # private random generators it draws from (its warmup's)
 
     @property
     def rows(self) -> Optional[int]:
@@ -99,6 +100,7 @@ class Recorded:
     outputs: OutputPlan
     watch: CallWatch  # the storages it wrote, the tensors it read by address
     survey: Survey  # names of what it can reach, and .grad slots before the capture
+    drawn: Sequence[Any] = ()  # the private random generators its capture drew from
 
 
 def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = (),
@@ -128,7 +130,8 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
 
     try:
         capture = request.backend.capture(run, request.device,
-                                          request.pool.handle_for_capture(), request.uses_cudnn)
+                                          request.pool.handle_for_capture(), request.uses_cudnn,
+                                          _generators(request.generators, survey))
         _refuse(capture, detector, refuse_error)
         inputs.note_writes(before, watch.written)
         resized = inputs.resized()
@@ -158,8 +161,18 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
         # graph; the eager run that follows must find .grad as it was.
         survey.restore_grads()
         raise
-    return Recorded(capture, inputs, outputs, watch, survey)
+    return Recorded(capture, inputs, outputs, watch, survey, detector.generators)
 
+
+
+def _generators(drawn: Sequence[torch.Generator], survey: Survey) -> list:
+    """The generators a capture registers: those the warmup drew from, and those the call can
+    reach (a generator rebound since the warmup, which a recapture meets first), once each.
+    A generator registered and not drawn from costs a replay nothing."""
+    found = {g._cdata: g for g in drawn}
+    for generator, _ in survey.generators.values():
+        found.setdefault(generator._cdata, generator)
+    return list(found.values())
 
 
 def _watch_returned(result: Any, given: list, outside: dict, watch: CallWatch) -> None:

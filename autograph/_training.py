@@ -371,7 +371,7 @@ class TrainingGraph(Graph):
         # modes under it, so the CPU emulation's recorder must see each op before the guard.
         with detector:
             capture = backend.capture(run_backward, request.device, request.pool.handle,
-                                      request.uses_cudnn)
+                                      request.uses_cudnn, request.generators)
         finding = capture_failure(detector, capture)
         if finding is None and capture.error is not None:
             location, source = location_in_traceback(capture.error.__traceback__)

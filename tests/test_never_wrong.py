@@ -708,11 +708,8 @@ def test_a_region_does_not_keep_a_module_with_a_backward_hook_alive(device, caug
     assert ref() is None
 
 
-def test_a_private_generator_draws_eagers_sequence_and_is_graphed(device, request):
-    if device == "cuda":  # the emulation behaves as CUDA with the generator registered
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=(
-            "issue 21 item 11, CUDA half: the generator is not registered with the graph "
-            "(CUDAGraph.register_generator_state), so CUDA refuses its capture")))
+def test_a_private_generator_draws_eagers_sequence_and_is_graphed(device):
+    # CUDA: the generator is registered with the graph (CUDAGraph.register_generator_state)
     generator = torch.Generator(device=device).manual_seed(0)
 
     @autograph.graphed(verify=2)
@@ -725,3 +722,26 @@ def test_a_private_generator_draws_eagers_sequence_and_is_graphed(device, reques
         assert torch.equal(out, torch.rand(3, generator=reference, device=device))
     assert torch.equal(generator.get_state(), reference.get_state())  # advanced once a call
     assert states(noisy) == [("graphed", 5, 1, 4)]
+
+
+def test_a_private_generator_rebound_after_capture_is_drawn_from(device):
+    state = {"generator": torch.Generator(device=device).manual_seed(0)}
+
+    @autograph.graphed
+    def noisy(x):
+        return x + torch.randn(4, generator=state["generator"], device=device)
+
+    x = torch.zeros(4, device=device)
+    for _ in range(4):
+        noisy(x)
+    replays = states(noisy)[0][3]
+    assert replays >= 2
+    state["generator"] = torch.Generator(device=device).manual_seed(7)  # the old one dies
+    gc.collect()
+    got = [noisy(x) for _ in range(3)]
+    reference = torch.Generator(device=device).manual_seed(7)
+    for out in got:
+        assert torch.equal(out, torch.randn(4, generator=reference, device=device))
+    assert torch.equal(state["generator"].get_state(), reference.get_state())
+    (row,) = states(noisy)
+    assert row[0] == "graphed" and row[3] > replays   # captured again, and replayed
