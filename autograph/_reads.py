@@ -302,7 +302,8 @@ class ReadWatch:
     """Weak references to the storages a graph reads by address, and to the private random
     generators it draws from (those the survey reached), each with a callback that marks the
     graph invalid when it is freed: a generator rebound to a new one (``g =
-    torch.Generator(...)`` again) leaves the graph drawing from the old one, which it holds."""
+    torch.Generator(...)`` again) leaves the graph drawing from the old one, which it holds.
+    Generators take weak references from torch 2.12 on; before, a rebound one goes unseen."""
 
     def __init__(self, graph: Any, external: Dict[int, Tensor], survey: Survey,
                  drawn: Sequence[torch.Generator] = ()):
@@ -311,9 +312,12 @@ class ReadWatch:
             weakref.ref(tensor.untyped_storage(),
                         functools.partial(_mark_invalid, graph_ref, survey.name(tensor)))
             for tensor in external.values()]
-        found = [survey.generators.get(g._cdata) for g in drawn]
-        self.refs += [weakref.ref(generator, functools.partial(_mark_invalid, graph_ref, path))
-                      for generator, path in filter(None, found)]
+        for generator, path in filter(None, (survey.generators.get(g._cdata) for g in drawn)):
+            try:
+                self.refs.append(weakref.ref(
+                    generator, functools.partial(_mark_invalid, graph_ref, path)))
+            except TypeError:  # torch < 2.12 (pytorch#180290): unseen, README Limits
+                break
 
 
 _ANY = object()  # a slot whose graph does not depend on the .grad it finds
