@@ -92,6 +92,22 @@ def test_capture_gives_each_bucket_its_own_value_keyword_or_callable(device):
         (2, "graphed", 0), (4, "graphed", 1)]
 
 
+def test_a_marker_inside_a_container_is_swapped_too(device):
+    @autograph.graphed(buckets=[2, 4], static_argnames=("state",))
+    def store(x, state):
+        state["cache"][:x.shape[0]] = x
+        return x * state["scale"]
+
+    caches = {2: torch.zeros(2, 3, device=device), 4: torch.zeros(4, 3, device=device)}
+    store.capture(torch.ones(4, 3, device=device),
+                  {"cache": autograph.per_bucket(caches), "scale": 2.0})
+    x = torch.randn(1, 3, device=device)
+    assert torch.equal(store(x, {"cache": caches[2], "scale": 2.0}), x * 2)
+    assert torch.equal(caches[2][:1], x) and not caches[4].any()
+    assert sorted((r.bucket, r.state, r.eager_calls, r.replays) for r in store.stats()) == [
+        (2, "graphed", 0, 1), (4, "graphed", 0, 0)]
+
+
 def test_a_mapping_without_some_bucket_names_the_sizes_and_the_fix(device):
     @autograph.graphed(buckets=[1, 2, 4], static_argnames=("cache",))
     def store(x, cache):
