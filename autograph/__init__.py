@@ -16,6 +16,7 @@ from typing import Any
 from ._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
 from ._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
+from ._per_bucket import per_bucket
 from ._region import Region, RegionStats, region
 from ._report import report, reset, stats
 from ._stats import KeyStats
@@ -35,6 +36,7 @@ __all__ = [
     "VERIFY_TOLERANCES",
     "capture_stream",
     "graphed",
+    "per_bucket",
     "region",
     "report",
     "reset",

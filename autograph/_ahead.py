@@ -6,7 +6,9 @@ the warmups' effects behind, every bucket largest first.
 The example call is keyed as a real call would be (with ``buckets``, resized to every size and
 keyed as its bucket), each key warms up under ``UndoWrites`` (arguments, tensors it writes by
 address such as a KV cache, module buffers and random generators come back as they were), and
-capturing runs nothing. Keys already graphed or eager are left as they are.
+capturing runs nothing. Keys already graphed or eager are left as they are. State each bucket
+holds its own of (a KV cache per bucket) is given as ``autograph.per_bucket(caches)``
+(``_per_bucket``): each bucket's example gets its own.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ._config import Options, logger
 from ._key_cache import KeyCache
 from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
 from ._keys import call_key
+from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
 from ._python_state import PythonState, per_call_reason
 from ._scope import current_region, nested_calls
@@ -39,6 +42,7 @@ def capture_ahead(engine: Any, call: Callable, instance: Any, args: tuple, kwarg
         return []
     region = current_region()
     options, cache, names, state = engine.call_options(instance, region)
+    check_markers(engine.name, names, args, kwargs, options.buckets)
     examples: List[Tuple[tuple, dict, Optional[Padding]]] = [(args, kwargs, None)]
     if options.buckets is not None:
         examples = _bucket_examples(engine.name, options, names, args, kwargs, state, cache)
@@ -123,8 +127,19 @@ def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:
 
 
 def _bucket_examples(name: str, options: Options, names: List[str], args: tuple,
-                     kwargs: dict, state: tuple, cache: KeyCache) -> List[Tuple[tuple, dict, Optional[Padding]]]:
-    """The example call resized to every bucket, largest first, with its padding."""
+                     kwargs: dict, state: tuple, cache: KeyCache
+                     ) -> List[Tuple[tuple, dict, Optional[Padding]]]:
+    """The example call resized to every bucket, largest first, with its padding; each
+    ``per_bucket`` marker swapped for that bucket's value."""
+    return [_bucket_example(name, options, names, *for_bucket(args, kwargs, size), state, cache,
+                            size) for size in reversed(options.buckets or ())]
+
+
+def _bucket_example(name: str, options: Options, names: List[str], args: tuple, kwargs: dict,
+                    state: tuple, cache: KeyCache, size: int
+                    ) -> Tuple[tuple, dict, Optional[Padding]]:
+    """The example resized to ``size`` rows, keyed as a real call of that size: keyed once
+    per bucket, since its per-bucket values (each bucket's KV cache) differ."""
     keyed = call_key(args, kwargs, state, names, options.static_argnames,
                      options.static_argnums)
     padding, reason = BucketRule(options.buckets, options.bucket_args).padding(
@@ -133,11 +148,8 @@ def _bucket_examples(name: str, options: Options, names: List[str], args: tuple,
         raise ValueError(f"{name}.capture(): the example call cannot be bucketed: {reason}.")
     family, stateful = family_key(args, kwargs, state, names, options.static_argnames,
                                   options.static_argnums, padding)
-    shapes = cache.batch_shapes_of(family, options)
-    examples = []
-    for size in reversed(options.buckets or ()):
-        resized_args, resized_kwargs, _ = padded_arguments(args, kwargs, keyed.tensors,
-                                                           padding, size)
-        examples.append((resized_args, resized_kwargs, dataclasses.replace(
-            padding, rows=size, bucket=size, shapes=shapes, stateful=stateful)))
-    return examples
+    resized_args, resized_kwargs, _ = padded_arguments(args, kwargs, keyed.tensors, padding,
+                                                       size)
+    return resized_args, resized_kwargs, dataclasses.replace(
+        padding, rows=size, bucket=size, shapes=cache.batch_shapes_of(family, options),
+        stateful=stateful)
