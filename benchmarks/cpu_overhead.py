@@ -1,13 +1,14 @@
 """A call's own cost on a CPU, for tuning the replay path and the disabled paths (issue 23).
 
->>> python benchmarks/cpu_overhead.py          # about 30 s; us per call, best of 7 rounds
+>>> PYTHONPATH=. python benchmarks/cpu_overhead.py   # about 30 s; us per call, best of 7
 
 Rows: the bare call; each path that does not graph, minus the bare call (AUTOGRAPH_DISABLE
 for a graphed function and a graphed module, ``region(enabled=False)``, CPU tensors without
 the emulation, i.e. "no CUDA" on this machine); and the emulated steady-state replay of a
 plain function of N = 1, 4, 16 tensors, minus a hand-written loop over the same emulated graph
-(``_foreach_copy_`` into its statics, its replay, a clone of its output): what is left is the
-engine's Python, which a CUDA replay pays too. Not a test: timings vary with the machine.
+(``_foreach_copy_`` into its statics, its replay, a clone of its output), the emulated
+replay itself made a no-op for both: what is left is the engine's Python, which a CUDA replay
+pays too. Not a test: timings vary with the machine.
 """
 from __future__ import annotations
 
@@ -110,8 +111,10 @@ def emulated_replays() -> dict:
             before = step.stats()[0].replays
             [life] = step._self_engine.cache.entries.values()
             graph = life.graph
-            statics, out, replay = graph.inputs.statics, graph.outputs.owned[0], \
-                graph.graph.replay
+            # The emulated replay (tens of us, noisy) stands still for both: only the Python
+            # around it is measured.
+            graph.graph.replay = replay = lambda: None
+            statics, out = graph.inputs.statics, graph.outputs.owned[0]
 
             def hand():
                 torch._foreach_copy_(statics, tensors)
