@@ -122,7 +122,7 @@ class Engine:
                 return call(*args, **kwargs)
         last = cache.last
         if last is not None and last.matches(args, kwargs, state, options):
-            key, tensors, identities, addressed = last.key, list(args), [], []  # no Python key
+            key, tensors, identities, addressed = last.key, args, (), ()  # no Python key
         else:
             last = None
             key, tensors, identities, addressed, plain = call_key(

@@ -37,6 +37,8 @@ class Graph:
         self.mutated = recorded.inputs.mutated
         # The storages it reads or writes by address: an argument sharing one runs eagerly.
         self.by_address = set(recorded.watch.external)
+        # Whether a call's arguments must be checked for aliasing before a replay (either set).
+        self.aliasing = bool(self.mutated or self.by_address)
         # Set (by the read watch) to the name of a tensor read by address that was freed.
         self.invalid_reason: Optional[str] = None
         self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey, Sequence[Any]]] = (
@@ -61,7 +63,9 @@ class Graph:
         """Copy ``tensors`` in (the real rows, for a bucket), replay, copy written arguments
         back, and return this call's outputs."""
         rows = None if padding is None else padding.rows
-        self.pool.before_replay()
+        pool = self.pool
+        if pool.static_plans or pool.on_cuda:  # else it has nothing to do: no call
+            pool.before_replay()
         if copy_in:
             self.inputs.copy_in(tensors, rows)
         self.graph.replay()

@@ -169,8 +169,8 @@ class KeyLife:
 
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
         """Nothing read by address freed or aliased, no written argument aliased."""
-        return graph.may_replay() and not _aliases_what_it_uses(
-            tensors, graph.mutated, graph.by_address) and not (self.trains and graph.busy())
+        return graph.may_replay() and not (graph.aliasing and _aliases_what_it_uses(
+            tensors, graph.mutated, graph.by_address)) and not (self.trains and graph.busy())
 
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the

@@ -79,6 +79,8 @@ class InputPlan:
         # The arguments copied in on every replay (those used by address are their statics).
         self._copied = [i for i in range(len(self.statics)) if i not in self.addressed]
         self._copied_statics = [self.statics[i] for i in self._copied]
+        # Every argument copied whole into its static: one C call per replay (``copy_in``).
+        self._copies_all = self.expanded is None and not self.addressed and bool(self.statics)
         self.mutated: List[int] = []
         if padding is not None:
             self.copy_in(tensors, padding.rows)
@@ -128,6 +130,9 @@ class InputPlan:
             self.statics[i] = None
 
     def copy_in(self, tensors: Sequence[Tensor], rows: Optional[int] = None) -> None:
+        if rows is None and self._copies_all:  # the steady state: no Python call but this one
+            torch._foreach_copy_(self.statics, tensors)
+            return
         if rows is not None:
             self._copy_rows_in(tensors, rows)
             return
@@ -307,6 +312,8 @@ class OutputPlan:
         self.pool = pool
         self.handed_out: List[Any] = []
         self._protect_static(policy, label)
+        # A lone tensor returned as itself, copied: ``produce`` clones it and builds nothing.
+        self.lone = isinstance(result, Tensor) and self.only_owned and not self.static
 
     def _protect_static(self, policy: str, label: str) -> None:
         """With outputs='static' (on a CUDA build that can), the messages that stale aliases
@@ -378,6 +385,8 @@ class OutputPlan:
 
     def produce(self, tensors: Sequence[Tensor], padding: Any = None) -> Any:
         if padding is None or padding.rows == padding.bucket:
+            if self.lone:
+                return self.owned[0].clone()  # owned, not a leaf kept: training detaches it
             owned = self._aliases() if self.static else self._copies()
         elif self.static or self.shared:
             owned = [real_rows(o, dims, padding.rows) for o, dims in

@@ -37,6 +37,9 @@ class Pool:
         self.static_plans: Dict[int, "weakref.ref[Any]"] = {}
         self.last_stream: Any = None
         self.last_raw_stream: Optional[int] = None
+        # Whether a replay has work to do first (``before_replay``): read inline on the replay
+        # path, so that a pool with nothing to do costs no call.
+        self.on_cuda = backend.device_type == "cuda"
 
     def handle_for_capture(self) -> Any:
         """The pool handle a new capture goes into.
@@ -51,7 +54,8 @@ class Pool:
         return self.handle
 
     def before_replay(self) -> None:
-        """Run before every replay (the capture call's included) of a graph of this pool."""
+        """Run before every replay (the capture call's included) of a graph of this pool;
+        the replay path may skip it when neither ``static_plans`` nor ``on_cuda`` is set."""
         if self.static_plans:
             for key, plan_ref in list(self.static_plans.items()):
                 plan = plan_ref()
@@ -59,18 +63,19 @@ class Pool:
                     del self.static_plans[key]
                 else:
                     plan.poison()
-        if self.backend.device_type == "cuda":
-            self._order_after_last_stream()
-
-    def _order_after_last_stream(self) -> None:
         # Private, on every replay: the public ``current_stream(device).cuda_stream`` makes a
         # Stream object per call (docs/design.md, "Private torch APIs").
-        raw = torch._C._cuda_getCurrentRawStream(self.device)
-        if raw != self.last_raw_stream:
-            current = current_stream(self.device)
-            if self.last_stream is not None:
-                current.wait_stream(self.last_stream)
-            self.last_stream, self.last_raw_stream = current, raw
+        if self.on_cuda:
+            raw = torch._C._cuda_getCurrentRawStream(self.device)
+            if raw != self.last_raw_stream:
+                self._order_after_last_stream(raw)
+
+    def _order_after_last_stream(self, raw: int) -> None:
+        """A replay on a stream other than the last replay's waits for that one first."""
+        current = current_stream(self.device)
+        if self.last_stream is not None:
+            current.wait_stream(self.last_stream)
+        self.last_stream, self.last_raw_stream = current, raw
 
 
 class Pools:
