@@ -16,7 +16,10 @@ cannot be sliced back is refused and runs eagerly, as called, from then on.
 A graph's first replay with pad rows is replayed once more with other pad rows
 (``_row_mixing``): if its real rows change, the function mixes rows (a mean over the batch),
 its effects are taken back, and the key runs eagerly. Until that replay, calls with pad rows
-do not replay (``KeyLife.serve`` checks ``graph.outputs.follows``).
+do not replay (``KeyLife.serve`` checks ``graph.outputs.follows``). A Python number the function
+computes from the size (``x * x.shape[0]``) changes no pad row: runs at two sizes note their
+ops' numbers (``_size_reads``), and one that differs makes the key eager. Under ``verify=n``
+the capture call's result is checked against an eager run as well.
 """
 from __future__ import annotations
 
