@@ -96,6 +96,7 @@ class BatchShapes:
     def __init__(self, named: Any = None):
         self.named = named  # bucket_outputs, or None
         self.runs: Dict[int, List[_Leaf]] = {}
+        self.numbers: Dict[int, list] = {}  # the Python numbers its ops got, by size (_size_reads)
         self._decided: Optional[Dims] = None
 
     def note(self, size: int, leaves: Sequence[Any]) -> None:

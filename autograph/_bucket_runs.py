@@ -16,11 +16,15 @@ cannot be sliced back is refused and runs eagerly, as called, from then on.
 A graph's first replay with pad rows is replayed once more with other pad rows
 (``_row_mixing``): if its real rows change, the function mixes rows (a mean over the batch),
 its effects are taken back, and the key runs eagerly. Until that replay, calls with pad rows
-do not replay (``KeyLife.serve`` checks ``graph.outputs.follows``).
+do not replay (``KeyLife.serve`` checks ``graph.outputs.follows``). A Python number the function
+computes from the size (``x * x.shape[0]``) changes no pad row: runs at two sizes note their
+ops' numbers (``_size_reads``), and one that differs makes the key eager. Under ``verify=n``
+the capture call's result is checked against an eager run as well.
 """
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+import contextlib
+from typing import Any, Callable, ContextManager, List, Tuple
 
 import torch
 
@@ -30,19 +34,23 @@ from ._outputs import flatten_output
 from ._profile import profile_range
 from ._reads import storage_ptr
 from ._row_mixing import SavedState, mixes_rows
+from ._size_reads import NumbersOf, size_read
+from ._verify import verified_replay
 
 Tensor = torch.Tensor
 
 
-def run_call(life: Any, c: Any) -> Any:
+def run_call(life: Any, c: Any, watched: bool = False) -> Any:
     """Run the function of ``life``'s key (``_key_life.KeyLife``) for the call ``c`` as its
-    warmups and eager calls do: padded where it has per-bucket state, else as called."""
+    warmups and eager calls do: padded where it has per-bucket state, else as called.
+    ``watched``: note the Python numbers its ops get at the size it runs at (``_size_reads``)."""
     padding = c.padding
     if padding is None:
         return c.call(*c.args, **c.kwargs)
     if padding.stateful and life.padded_runs and padding.rows != padding.bucket:
-        return _padded_run(life, c)
-    outputs = c.call(*c.args, **c.kwargs)
+        return _padded_run(life, c, watched)
+    with _numbers_of(padding, padding.rows, watched):
+        outputs = c.call(*c.args, **c.kwargs)
     padding.shapes.note(padding.rows, flatten_output(outputs)[0])
     refused = padding.shapes.decide(padding.rows, padding.bucket).refused
     if refused is not None and life.reason is None:
@@ -50,7 +58,27 @@ def run_call(life: Any, c: Any) -> Any:
     return outputs
 
 
-def _padded_run(life: Any, c: Any) -> Any:
+def _numbers_of(padding: Any, size: int, watched: bool) -> ContextManager[Any]:
+    """Note a run's numbers at ``size`` unless unwatched or its family has that size's."""
+    if not watched or size in padding.shapes.numbers:
+        return contextlib.nullcontext()
+    return NumbersOf(padding.shapes.numbers, size)
+
+
+def capture_call(c: Any) -> Callable[..., Any]:
+    """The callable a capture of the call ``c`` records: for a bucket, one that notes the
+    Python numbers its ops get at the bucket's size (``_size_reads``)."""
+    padding = c.padding
+    if padding is None or padding.bucket in padding.shapes.numbers:
+        return c.call
+
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        with NumbersOf(padding.shapes.numbers, padding.bucket):
+            return c.call(*args, **kwargs)
+    return noted
+
+
+def _padded_run(life: Any, c: Any, watched: bool) -> Any:
     """The call run on its arguments padded to the bucket, its outputs sliced back."""
     padding = c.padding
     rows, bucket = padding.rows, padding.bucket
@@ -58,7 +86,8 @@ def _padded_run(life: Any, c: Any) -> Any:
     with torch.inference_mode(False):
         args, kwargs, padded = padded_arguments(c.args, c.kwargs, c.tensors, padding, bucket)
     versions = {i: t._version for i, t in padded.items()}
-    outputs = c.call(*args, **kwargs)
+    with _numbers_of(padding, bucket, watched):
+        outputs = c.call(*args, **kwargs)
     leaves, rebuild = flatten_output(outputs)
     padding.shapes.note(bucket, leaves)
     decision = padding.shapes.decide(rows, bucket)
@@ -108,10 +137,18 @@ def state_written(c: Any, watch: Any) -> List[Tensor]:
 
 def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
     """The capture call's own replay of ``graph``: (outputs, whether the graph is kept). For a
-    bucket, the captured output shapes are noted first, and a replay with pad rows probed."""
+    bucket, the captured output shapes and Python numbers are checked first, a replay with pad
+    rows probed, and under ``verify=n`` the result checked against an eager run."""
     padding = c.padding
     if padding is not None and not _note_capture(life, graph, padding):
         return life.run_eagerly(c), False
+    if padding is not None and life.options.replays_to_verify:
+        return _verified_capture(life, c, graph)
+    return _replay_once(life, c, graph)
+
+
+def _replay_once(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
+    padding = c.padding
     if padding is not None and padding.rows != padding.bucket:
         return probed_replay(life, c, graph, copy_in=False)
     life.replays += 1
@@ -119,26 +156,65 @@ def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
         return graph.replay(c.tensors, padding, copy_in=False), True
 
 
+def _verified_capture(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
+    """The capture call's replay checked against an eager run of the call on its real rows
+    (``_verify``), as verify checks the replays after it; a mismatch makes the key eager."""
+    kept = [True]
+
+    def replay() -> Any:
+        outputs, kept[0] = _replay_once(life, c, graph)
+        return outputs
+
+    outputs, mismatch = verified_replay(replay, c, life.function.name, life.label,
+                                        lambda: life.function.roots(c),
+                                        eager=lambda: run_call(life, c))
+    if not kept[0]:  # the probe found mixed rows: the call ran eagerly, the key is eager
+        return outputs, False
+    if mismatch is not None:
+        life.replays -= 1  # taken back: the caller gets the eager run's outputs and effects
+        life.eager_calls += 1
+        c.note(life, "eager_calls")
+        graph.release()
+        life.fall_back(mismatch)
+        return outputs, False
+    life.verified += 1
+    return outputs, True
+
+
 def _note_capture(life: Any, graph: Any, padding: Any) -> bool:
     """Note the captured outputs' shapes at the bucket's size; False, the graph released, if
-    they show that its outputs cannot be sliced back (the key is eager from now on), or if
-    which to slice is still unknown for this call's rows (an eager run will show it)."""
+    they show that its outputs cannot be sliced back or the Python numbers its ops got change
+    with the size (the key is eager from now on), or if which to slice is still unknown for
+    this call's rows (an eager run will show it)."""
     leaves, graph.outputs.captured_leaves = graph.outputs.captured_leaves, None
     padding.shapes.note(padding.bucket, leaves or [])
     decision = padding.shapes.decide(padding.rows, padding.bucket)
-    if decision.dims is not None:
+    refused = decision.refused or size_read(padding.shapes.numbers, padding.bucket)
+    if decision.dims is not None and refused is None:
         return True
     graph.release()
-    if decision.refused is not None:
-        refuse(life, decision.refused)
+    if refused is not None:
+        refuse(life, refused)
     return False
 
 
 def first_padded_replay(life: Any, c: Any) -> Any:
-    """A call with pad rows to a graph that has not replayed with pad rows yet: probed, or
-    run eagerly while the dims to slice are unknown (its run shows them)."""
-    decision = c.padding.shapes.decide(c.padding.rows, c.padding.bucket)
-    if decision.dims is None:
+    """A call with pad rows to a graph that has not replayed with pad rows yet: probed; or
+    run eagerly while the dims to slice are unknown, or while a stateless key has run at its
+    bucket's size only (its run as called shows them, and the numbers it reads from the size);
+    or eagerly for good if those numbers change with the size (``_size_reads``)."""
+    padding = c.padding
+    numbers = padding.shapes.numbers
+    if padding.shapes.decide(padding.rows, padding.bucket).dims is None or \
+            not padding.stateful and all(size == padding.bucket for size in numbers):
+        outputs = life.run_eagerly(c, watched=True)
+        read = size_read(numbers, padding.bucket)
+        if read is not None and life.reason is None:
+            refuse(life, read)
+        return outputs
+    read = size_read(numbers, padding.bucket)
+    if read is not None:
+        refuse(life, read)
         return life.run_eagerly(c)
     outputs, kept = probed_replay(life, c, life.graph, copy_in=True)
     if kept:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ._bucket_runs import (capture_replay, first_padded_replay, run_call, slices_unknown,
-                           state_written)
+from ._bucket_runs import (capture_call, capture_replay, first_padded_replay, run_call,
+                           slices_unknown, state_written)
 from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
@@ -209,14 +209,14 @@ class KeyLife:
 
     # ---- eager calls ----
 
-    def run_eagerly(self, c: Call) -> Any:
+    def run_eagerly(self, c: Call, watched: bool = False) -> Any:
         self.eager_calls += 1
         c.note(self, "eager_calls")
         streams = contextlib.nullcontext() if self.backend is None else \
             self.backend.eager_stream(self.device)
         with eager_scope(self), profile_range("eager", self.function.name, self.label), \
                 streams:
-            return run_call(self, c)
+            return run_call(self, c, watched)
 
     def _warmup(self, c: Call) -> Any:
         self.eager_calls += 1
@@ -238,7 +238,7 @@ class KeyLife:
         watch = CallWatch(c.tensors)
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
         with detector, watch, collectives:
-            outputs = run_call(self, c)
+            outputs = run_call(self, c, watched=True)
         if isinstance(collectives, CollectiveWatch):
             self.groups = collectives.groups
         self.warmups += 1
@@ -371,9 +371,10 @@ def _record(life: KeyLife, c: Call) -> Graph:
     # before its capture, and making it (a small convolution) costs a fraction of a second.
     cudnn = life.uses_cudnn and life.warmup_thread != threading.get_ident()
     # The private random generators the warmup drew from: CUDA registers them with the graph.
-    request = CaptureRequest(c.call, c.args, c.kwargs, c.tensors, life.backend, life.device,
-                             pool, life.options.outputs, label, life.function.roots(c), cudnn,
-                             c.padding, c.addressed, life.generators)
+    request = CaptureRequest(capture_call(c), c.args, c.kwargs, c.tensors, life.backend,
+                             life.device, pool, life.options.outputs, label,
+                             life.function.roots(c), cudnn, c.padding, c.addressed,
+                             life.generators)
     with nested_calls(), profile_range("capture", life.function.name, life.label):
         graph = (TrainingGraph if life.trains else Graph).record(request)
     logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,

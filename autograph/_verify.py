@@ -1,6 +1,7 @@
 """Verify mode (``verify=n``): check a replay against an eager run of the same call.
 
->>> outputs, mismatch = verified_replay(graph, c, "step", "x: f32[8] cuda:0", roots)
+>>> outputs, mismatch = verified_replay(lambda: graph.replay(c.tensors), c, "step",
+...                                     "x: f32[8] cuda:0", roots)
 >>> mismatch        # None, or what differs: "out[1].logits (f32[1, 1024] cuda:0) differs ..."
 
 One checked call runs the function eagerly under ``UndoWrites`` (which saves every storage
@@ -226,11 +227,13 @@ def _first_state_difference(written: List[Tuple[Any, torch.dtype, Any]], roots: 
     return None
 
 
-def verified_replay(graph: Any, c: Any, function: str, key: str, roots: Roots
-                    ) -> Tuple[Any, Optional[str]]:
-    """Run the call ``c`` eagerly and take it back, replay ``graph``, and compare.
+def verified_replay(replay: Callable[[], Any], c: Any, function: str, key: str, roots: Roots,
+                    eager: Optional[Callable[[], Any]] = None) -> Tuple[Any, Optional[str]]:
+    """Run the call ``c`` eagerly (``eager``, by default ``c.call`` on its arguments) and take
+    it back, ``replay`` the graph, and compare.
 
-    >>> outputs, mismatch = verified_replay(life.graph, c, "step", life.label, roots)
+    >>> outputs, mismatch = verified_replay(lambda: life.graph.replay(c.tensors, c.padding),
+    ...                                     c, "step", life.label, roots)
 
     Returns the replay's outputs and None, or, on a mismatch, the eager outputs and what
     differs (the reason to run the key eagerly from now on).
@@ -240,18 +243,18 @@ def verified_replay(graph: Any, c: Any, function: str, key: str, roots: Roots
     run = EagerRun()
     with profile_range("verify", function, key):
         with nested_calls(), run:
-            eager = c.call(*c.args, **c.kwargs)
-        expected = [(path, _snapshot(leaf)) for path, leaf in leaves(eager, given)]
+            expected_outputs = eager() if eager is not None else c.call(*c.args, **c.kwargs)
+        expected = [(path, _snapshot(leaf)) for path, leaf in leaves(expected_outputs, given)]
         written = run.take_back()
     with profile_range("replay", function, key):
-        outputs = graph.replay(c.tensors, c.padding)
+        outputs = replay()
     difference = (_first_output_difference(expected, list(leaves(outputs, given)))
                   or _first_state_difference(written, roots))
     if difference is None:
         return outputs, None
     run.redo(written)
-    return eager, (f"verify: its replay differs from an eager run of the same call: "
-                   f"{difference}. {_CAUSES}")
+    return expected_outputs, (f"verify: its replay differs from an eager run of the same "
+                              f"call: {difference}. {_CAUSES}")
 
 
 def checked_replay(life: Any, c: Any) -> Any:
@@ -259,7 +262,8 @@ def checked_replay(life: Any, c: Any) -> Any:
     eager run; a mismatch makes the key eager, and the caller gets the eager run's outputs
     and effects."""
     life.checks_left -= 1
-    outputs, mismatch = verified_replay(life.graph, c, life.function.name, life.label,
+    outputs, mismatch = verified_replay(lambda: life.graph.replay(c.tensors, c.padding), c,
+                                        life.function.name, life.label,
                                         lambda: life.function.roots(c))
     if mismatch is not None:
         life.eager_calls += 1

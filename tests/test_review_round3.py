@@ -748,11 +748,6 @@ def test_capture_with_adam(device):
 
 # ---- found by this review: a size read in Python under buckets ----
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a bucketed key's graph runs at the bucket's size, so x.shape[0] read in Python is the "
-    "bucket's (4), not the call's (3): real rows come back scaled by 4. The row-mixing probe "
-    "(_row_mixing.mixes_rows) changes only the pad rows' values and cannot see it; "
-    "docs/design.md says only verify catches it, SPEC (buckets=) says it runs eagerly"))
 def test_bucket_size_read_in_python_gives_eagers_result(device):
     @autograph.graphed(buckets=[4, 8])
     def f(x):
@@ -763,9 +758,6 @@ def test_bucket_size_read_in_python_gives_eagers_result(device):
         torch.testing.assert_close(f(x), x * n, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "verify checks replays but not the capture call, which is a bucketed key's first padded "
-    "run: with verify=3 the capture call of x * x.shape[0] still returns x * 4 for 3 rows"))
 def test_bucket_verify_checks_the_capture_call_too(device):
     @autograph.graphed(buckets=[4, 8], verify=3)
     def f(x):
