@@ -14,9 +14,11 @@ Per key, two graphs in the key's pool, tied by the ``autograd.Function`` ``_Repl
   module's parameters, closed-over weights), from static output gradients, captured under
   the guard like the forward (``make_graphed_callables`` captures its backward the same way).
 A call replays the forward and returns clones of its outputs; their backward copies the
-incoming gradients in (``None`` becomes zeros), replays the backward and returns clones of the
-gradients, which autograd accumulates into ``.grad`` as eager execution would: fresh tensors,
-never the graph's buffers (pytorch issue 181723, fixed likewise in TransformerEngine).
+incoming gradients in (``None`` becomes zeros), replays the backward and hands the gradients
+to autograd, which accumulates them into ``.grad`` as eager execution would: fresh views
+(``_packed_grads``), or the graph's own where each is only added into an existing ``.grad``
+(``_Backward.accumulates_in_place``), never a buffer autograd could keep (pytorch issue
+181723, fixed likewise in TransformerEngine).
 
 The graph keeps the forward's activations (its saved tensors) in the pool for the graph's
 life, so other graphs of the pool never reuse them; one graph holds one call's activations,
@@ -34,12 +36,13 @@ requires grad, or it is bucketed. Double backward through a replay raises with t
 from __future__ import annotations
 
 import dataclasses
+import operator
 import sys
 import weakref
+from itertools import repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._backend import Capture
@@ -47,6 +50,7 @@ from ._config import logger
 from ._graph import Graph
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
+from ._packed_grads import PackedGradients
 from ._plan import InputPlan, copy_all
 from ._reads import Survey, tensors_in
 from ._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
@@ -110,41 +114,16 @@ class _ForwardWatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class _PackedGradients:
-    """A backward graph's gradients, packed by the graph itself into one buffer per dtype and
-    device, so that a replay hands out fresh copies with one kernel per buffer.
+_GRAD = operator.attrgetter("grad")
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
+# torch >= 2.0; for a leaf's node it raises while autograd.grad runs.
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
-    >>> packed = _PackedGradients(torch.autograd.grad(outputs, inputs))  # inside the capture
-    >>> packed.fresh(needed)              # after a replay: views of new buffers, or None
 
-    The gradients live in the graph's memory, which the next replay overwrites, so autograd
-    must get copies (``AccumulateGrad`` may adopt a gradient as ``.grad``: pytorch issue
-    181723). A model has many parameters, and a clone each would cost a launch each; a replay
-    clones each packed buffer once, and its gradients are views of it, which keep it alive
-    while any of them lives (one step's gradients). The unpacked gradients are intermediates
-    of the graph: only the packed buffers are kept.
-    """
-
-    def __init__(self, grads: Sequence[Optional[Tensor]], alone: int = 0):
-        self.count = len(grads)
-        # The first ``alone`` (the arguments' gradients) get a buffer each: a kept x.grad must
-        # not keep a whole step of parameter gradients alive.
-        groups: Dict[Any, List[int]] = {}
-        for i, grad in enumerate(grads):
-            if grad is not None:
-                groups.setdefault(i if i < alone else (grad.dtype, grad.device), []).append(i)
-        self.groups = [
-            (members, _flatten_dense_tensors([grads[i] for i in members]),
-             [torch.empty(grads[i].shape, device="meta") for i in members])
-            for members in groups.values()]
-
-    def fresh(self, needed: Sequence[bool]) -> List[Optional[Tensor]]:
-        copies: List[Optional[Tensor]] = [None] * self.count
-        for members, packed, shapes in self.groups:
-            for i, view in zip(members, _unflatten_dense_tensors(packed.clone(), shapes)):
-                if needed[i]:
-                    copies[i] = view
-        return copies
+def _grad_accumulator(leaf: Tensor) -> Any:
+    """The ``AccumulateGrad`` node of a leaf that requires grad."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
 
 
 class _Backward:
@@ -163,10 +142,13 @@ class _Backward:
         self.outputs = outputs
         self.needs = needs  # per output of the Function: whether it needs grad
         self.grad_outputs = grad_outputs  # static gradients of the outputs that need grad
-        self.results: _PackedGradients = capture.outputs
+        self.results: PackedGradients = capture.outputs
         self.trained = trained  # the arguments that require grad
         self.leaves = [(weakref.ref(t), survey.name(t)) for t in leaves]
         self.frozen = [(weakref.ref(t), survey.name(t)) for t in frozen]
+        # Asked whether this backward's engine run accumulates into .grad (not autograd.grad):
+        # the first leaf's AccumulateGrad, which the forward's autograd graph keeps alive.
+        self.accumulator = _grad_accumulator(leaves[0]) if leaves else None
 
     def changed(self) -> Optional[str]:
         """Which leaf no longer fits the backward graph: freed, or a parameter unfrozen whose
@@ -181,8 +163,23 @@ class _Backward:
                 return f"{name}.requires_grad (turned on since capture)"
         return None
 
-    def replay(self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool]
-               ) -> List[Optional[Tensor]]:
+    def accumulates_in_place(self, leaves: Sequence[Tensor]) -> bool:
+        """Whether autograd will only add each leaf's gradient into its existing ``.grad``
+        (``AccumulateGrad``'s in-place add), so that it may get the graph's own buffer: this
+        engine run accumulates (``backward()``, not ``autograd.grad``, which hands gradients
+        to its caller), every leaf has a ``.grad``, and none has a tensor hook (which gets the
+        gradient itself and may keep it)."""
+        if _will_engine_execute_node is None or self.accumulator is None or \
+                not all(map(operator.is_not, map(_GRAD, leaves), repeat(None))) or \
+                any(map(_TENSOR_HOOKS, leaves)):
+            return False
+        try:
+            return _will_engine_execute_node(self.accumulator)
+        except RuntimeError:  # "...running autograd.grad()": it returns the gradients
+            return False
+
+    def replay(self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool],
+               leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
         dst, src = [], []
         for static, grad in zip(self.grad_outputs,
                                 (g for g, need in zip(grads, self.needs) if need)):
@@ -193,7 +190,7 @@ class _Backward:
                 src.append(grad)
         copy_all(dst, src)
         self.graph.replay()
-        return self.results.fresh(needed)
+        return self.results.hand_out(needed, self.accumulates_in_place(leaves))
 
 
 class _Replay(torch.autograd.Function):
@@ -203,6 +200,7 @@ class _Replay(torch.autograd.Function):
     def forward(ctx: Any, graph: "TrainingGraph", tensors: Sequence[Tensor], copy_in: bool,
                 caller: Any, *differentiable: Tensor) -> Tuple[Tensor, ...]:
         ctx.graph = graph
+        ctx.leaves = differentiable[len(graph.backward.trained):]
         ctx.set_materialize_grads(False)
         # Held only by this call's autograd graph, until its backward ran (without
         # retain_graph) or the graph was dropped: while it lives, the activations in the
@@ -230,7 +228,7 @@ class _Replay(torch.autograd.Function):
                 f"autograph.region(enabled=False).")
         graph.pool.before_replay()
         return (None, None, None, None,
-                *graph.backward.replay(grads, ctx.needs_input_grad[4:]))
+                *graph.backward.replay(grads, ctx.needs_input_grad[4:], ctx.leaves))
 
 
 def _refuse_before_capture(request: CaptureRequest) -> None:
@@ -361,7 +359,7 @@ class TrainingGraph(Graph):
         def run_backward() -> Any:
             with torch.autocast(backend.device_type, enabled=False), \
                     lifted_tensor_hooks(leaves):
-                return _PackedGradients(torch.autograd.grad(
+                return PackedGradients(torch.autograd.grad(
                     differentiable, statics + leaves, grad_outputs, retain_graph=True,
                     allow_unused=True), alone=len(statics))
 
