@@ -131,7 +131,13 @@ def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Strea
             torch._C._cuda_endAllocateToPool(device, pool)
         except RuntimeError:
             pass  # torch >= 2.12 may have ended the routing already
-        torch._C._cuda_releasePool(device, pool)
+        try:
+            torch._C._cuda_releasePool(device, pool)
+        except RuntimeError:
+            # Its use count is already zero ("uc >= 0" asserted, nothing changed): seen on
+            # torch 2.11 after a run of failed captures in one process. The generator reset
+            # below must happen regardless, or every later random draw fails.
+            logger.debug("the pool of a failed capture on cuda:%d was released already", device)
     if torch.__version__ < "2.12":
         reset = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):

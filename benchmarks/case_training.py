@@ -40,12 +40,12 @@ def first_steps(make: Callable[[], Step], steps: int = 2) -> Tuple[Step, float]:
 
 
 def eager_step(model: torch.nn.Module, loss_of: Callable, batch: tuple,
-               capturable: bool = False) -> Step:
+               capturable: bool = False, set_to_none: bool = True) -> Step:
     """zero_grad, forward, backward and an Adam step, as a training loop writes them."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=capturable)
 
     def step() -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         loss = loss_of(model, *batch)
         loss.backward()
         optimizer.step()
@@ -75,10 +75,11 @@ def variants(model: torch.nn.Module, loss_of: Callable, batch: tuple,
     dev = device()
     fresh = lambda: copy.deepcopy(model)  # noqa: E731 - every variant trains its own copy
 
-    def make_graphed() -> Step:
+    def make_graphed(set_to_none: bool = True) -> Step:
         module = graphable(fresh())
         graphed = torch.cuda.make_graphed_callables(module, batch[:1])  # its input alone
-        return eager_step(module, lambda m, *b: loss_of(graphed, *b), batch)
+        return eager_step(module, lambda m, *b: loss_of(graphed, *b), batch,
+                          set_to_none=set_to_none)
 
     def compiled() -> Step:
         module = fresh()
@@ -97,18 +98,26 @@ def variants(model: torch.nn.Module, loss_of: Callable, batch: tuple,
              "first 2 steps: warmup and capture"),
         "autograph.graphed(whole step)": (whole_step, 2, "first 2 steps: warmup and capture"),
     }
+    # .grad kept between steps (zero_grad(set_to_none=False)): gradients accumulate in place
+    found[KEPT] = (lambda: eager_step(autograph.graphed(fresh()), loss_of, batch,
+                                      set_to_none=False), 2, "first 2 steps: warmup and capture")
     if dev == "cuda" and graphable is not None:
         found["make_graphed_callables(module) + eager optimizer"] = (
             make_graphed, 1, "3 warmup steps, capture and 1 step")
+        found[KEPT_REFERENCE] = (lambda: make_graphed(set_to_none=False), 1,
+                                 "3 warmup steps, capture and 1 step")
     if with_compile:
         found['torch.compile("reduce-overhead") + eager optimizer'] = (
             compiled, 3, "first 3 steps, compilation included")
     return found
 
 
+KEPT = "autograph.graphed(module) + eager optimizer, zero_grad(set_to_none=False)"
+KEPT_REFERENCE = "make_graphed_callables(module) + eager optimizer, zero_grad(set_to_none=False)"
 # Each autograph variant against the reference that graphs the same thing.
 RATIOS = {"autograph.graphed(module) + eager optimizer":
           "make_graphed_callables(module) + eager optimizer",
+          KEPT: KEPT_REFERENCE,
           "autograph.graphed(whole step)": "hand-written whole step"}
 
 
