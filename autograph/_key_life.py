@@ -201,7 +201,7 @@ class KeyLife:
         """A replay that verify mode checks against an eager run first, or that a profiler
         records as a named range."""
         if self.checks_left or self.payoff:  # verify's checks first, then the payoff
-            return (checked_replay if self.checks_left else timed_call)(self, c)
+            return checked_replay(self, c, run_call) if self.checks_left else timed_call(self, c)
         self.replays += 1
         c.note(self, "replays")
         with profile_range("replay", self.function.name, self.label):

@@ -257,14 +257,16 @@ def verified_replay(replay: Callable[[], Any], c: Any, function: str, key: str, 
                               f"call: {difference}. {_CAUSES}")
 
 
-def checked_replay(life: Any, c: Any) -> Any:
+def checked_replay(life: Any, c: Any, run_call: Callable[[Any, Any], Any]) -> Any:
     """Verify mode's replay of ``life``'s key (``_key_life.KeyLife``): checked against an
-    eager run; a mismatch makes the key eager, and the caller gets the eager run's outputs
-    and effects."""
+    eager run, made as the key's eager calls are (``run_call``: padded where the key has
+    per-bucket state); a mismatch makes the key eager, and the caller gets the eager run's
+    outputs and effects."""
     life.checks_left -= 1
     outputs, mismatch = verified_replay(lambda: life.graph.replay(c.tensors, c.padding), c,
                                         life.function.name, life.label,
-                                        lambda: life.function.roots(c))
+                                        lambda: life.function.roots(c),
+                                        lambda: run_call(life, c))
     if mismatch is not None:
         life.eager_calls += 1
         c.note(life, "eager_calls")

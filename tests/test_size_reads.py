@@ -118,3 +118,22 @@ def test_verify_counts_the_capture_call_it_checked(device, caught):
     row, = fn.stats()
     assert (row.state, row.replays, row.verified) == ("graphed", 4, 3)
     assert autograph_warnings(caught) == []
+
+
+def test_verify_of_a_key_with_per_bucket_state_runs_its_eager_check_padded(device):
+    # A cache of the bucket's rows, used by address: every run of the key is padded, and so
+    # must verify's eager check be (before: it ran on the caller's 3 rows, and the copy into
+    # the 4-row cache failed)
+    cache = torch.zeros(4, 5, device=device)
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",), bucket_outputs=0, verify=3)
+    def step(x, cache):
+        cache.copy_(x)
+        return x * 2
+
+    for i in range(5):
+        x = torch.full((3, 5), float(i), device=device)
+        torch.testing.assert_close(step(x, cache), x * 2, rtol=0, atol=0)
+        torch.testing.assert_close(cache[:3], x, rtol=0, atol=0)
+    (row,) = autograph.stats(step)
+    assert row.state == "graphed" and row.replays >= 3 and row.verified >= 3
