@@ -142,32 +142,48 @@ def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
     padding = c.padding
     if padding is not None and not _note_capture(life, graph, padding):
         return life.run_eagerly(c), False
-    if padding is not None and life.options.replays_to_verify:
-        return _verified_capture(life, c, graph)
-    return _replay_once(life, c, graph)
+    if padding is not None and (life.options.replays_to_verify or _checked_once(padding)):
+        return _verified_capture(life, c, graph, copy_in=False)
+    return _replay_once(life, c, graph, copy_in=False)
 
 
-def _replay_once(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
+def _checked_once(padding: Any) -> bool:
+    """Whether this replay with pad rows, a key's first, is checked against an eager run of
+    the call as given: for a key without per-bucket state, that run is the truth, and it
+    shows what neither the numbers its ops get nor the pad-row probe can (a tensor made from
+    the size, ``torch.linspace(0, 1, x.shape[0])``, then reduced)."""
+    return padding.rows != padding.bucket and not padding.stateful
+
+
+def _replay_once(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bool]:
     padding = c.padding
     if padding is not None and padding.rows != padding.bucket:
-        return probed_replay(life, c, graph, copy_in=False)
+        return probed_replay(life, c, graph, copy_in)
     life.replays += 1
     with profile_range("replay", life.function.name, life.label):
-        return graph.replay(c.tensors, padding, copy_in=False), True
+        return graph.replay(c.tensors, padding, copy_in), True
 
 
-def _verified_capture(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
-    """The capture call's replay checked against an eager run of the call on its real rows
-    (``_verify``), as verify checks the replays after it; a mismatch makes the key eager."""
+def _verified_capture(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bool]:
+    """A replay (the capture call's, or a key's first with pad rows) checked against an eager
+    run of the call on its real rows (``_verify``), as verify checks the replays after it; a
+    mismatch makes the key eager."""
     kept = [True]
 
     def replay() -> Any:
-        outputs, kept[0] = _replay_once(life, c, graph)
+        outputs, kept[0] = _replay_once(life, c, graph, copy_in)
         return outputs
 
+    padding = c.padding
+    # Checked because padded, not by verify=: then the causes to name are the padding's.
+    explain = {} if life.options.replays_to_verify else {"loose": True, "explain": lambda d: (
+        f"padded from {padding.rows} rows to its bucket of {padding.bucket}, its result "
+        f"differs from an eager run of its own rows: {d}. It computes something "
+        f"from the batch size (a value or a tensor made from x.shape[0]) or mixes rows: "
+        f"leave it out of buckets=, or pass what it computes from the size as an argument")}
     outputs, mismatch = verified_replay(replay, c, life.function.name, life.label,
                                         lambda: life.function.roots(c),
-                                        eager=lambda: run_call(life, c))
+                                        eager=lambda: run_call(life, c), **explain)
     if not kept[0]:  # the probe found mixed rows: the call ran eagerly, the key is eager
         return outputs, False
     if mismatch is not None:
@@ -175,9 +191,9 @@ def _verified_capture(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
         life.eager_calls += 1
         c.note(life, "eager_calls")
         graph.release()
-        life.fall_back(mismatch)
+        refuse(life, mismatch)
         return outputs, False
-    life.verified += 1
+    life.verified += bool(life.options.replays_to_verify)
     return outputs, True
 
 
@@ -216,7 +232,8 @@ def first_padded_replay(life: Any, c: Any) -> Any:
     if read is not None:
         refuse(life, read)
         return life.run_eagerly(c)
-    outputs, kept = probed_replay(life, c, life.graph, copy_in=True)
+    outputs, kept = (_verified_capture if _checked_once(padding) else _replay_once)(
+        life, c, life.graph, True)
     if kept:
         c.note(life, "replays")
     return outputs

@@ -2,7 +2,7 @@
 (docs/design.md, "A replay's gradients").
 
 >>> packed = PackedGradients(torch.autograd.grad(outputs, inputs))  # inside the capture
->>> packed.hand_out(needed, reuse=False)     # after a replay: views of fresh copies
+>>> packed.hand_out(needed)     # after a replay: views of fresh copies
 """
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ Tensor = torch.Tensor
 
 class PackedGradients:
     """A backward graph's gradients, packed by the graph itself into one buffer per dtype and
-    device (and one per argument), handed out per replay as fresh views or the graph's own.
+    device (and one per argument), handed out per replay as views of fresh copies.
 
     >>> packed = PackedGradients(torch.autograd.grad(outputs, inputs))  # inside the capture
-    >>> packed.hand_out(needed, reuse=False)   # views of fresh copies of the buffers
-    >>> packed.hand_out(needed, reuse=True)    # the parameters' views of the graph's buffers
+    >>> packed.hand_out(needed)   # views of fresh copies of the buffers
 
     The gradients live in the graph's memory, which the next replay overwrites, so autograd
     must get copies wherever it may keep one (``AccumulateGrad`` adopts a gradient as a
@@ -31,10 +30,11 @@ class PackedGradients:
     shape lie side by side, so that one ``unbind`` cuts a run of them: an op per gradient, as
     ``make_graphed_callables``' ``detach`` is, not two (``narrow`` and ``view``).
 
-    ``reuse`` hands out the graph's own views for the parameters' gradients (the arguments'
-    are always fresh: they flow on into the caller's autograd graph): the caller checked that
-    each is only added into an existing ``.grad`` (``_Backward.accumulates_in_place``). Those
-    views stay referenced here, so autograd never adopts one as a ``.grad``.
+    Never the graph's own buffers, even where autograd would only add a gradient into an
+    existing ``.grad``: a hook on a parameter's ``AccumulateGrad`` node (DDP's older reducer,
+    DeepSpeed) is handed the gradient itself and may keep it, and nothing cheap tells such
+    hooks apart; measured on the H200, handing out the graph's own views gained nothing over
+    the copies (benchmark (t), ``.grad`` kept between steps).
     """
 
     def __init__(self, grads: Sequence[Optional[Tensor]], alone: int = 0):
@@ -56,12 +56,11 @@ class PackedGradients:
         for position, i in enumerate(order):
             where[i] = position
         self._pick = operator.itemgetter(*where, len(order))  # a tuple, even for one
-        self._graphs_own = [_cut(packed, runs) for packed, runs, _ in self.groups]
 
-    def hand_out(self, needed: Sequence[bool], reuse: bool) -> List[Optional[Tensor]]:
+    def hand_out(self, needed: Sequence[bool]) -> List[Optional[Tensor]]:
         views: List[Optional[Tensor]] = []
-        for (packed, runs, argument), own in zip(self.groups, self._graphs_own):
-            views += own if reuse and not argument else _cut(packed.clone(), runs)
+        for packed, runs, _ in self.groups:
+            views += _cut(packed.clone(), runs)
         views.append(None)
         picked = list(self._pick(views))[:-1]
         if not all(needed):

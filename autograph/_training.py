@@ -15,9 +15,8 @@ Per key, two graphs in the key's pool, tied by the ``autograd.Function`` ``_Repl
   the guard like the forward (``make_graphed_callables`` captures its backward the same way).
 A call replays the forward and returns clones of its outputs; their backward copies the
 incoming gradients in (``None`` becomes zeros), replays the backward and hands the gradients
-to autograd, which accumulates them into ``.grad`` as eager execution would: fresh views
-(``_packed_grads``), or the graph's own where each is only added into an existing ``.grad``
-(``_Backward.accumulates_in_place``), never a buffer autograd could keep (pytorch issue
+to autograd, which accumulates them into ``.grad`` as eager execution would: views of fresh
+copies (``_packed_grads``), never a buffer autograd or a hook could keep (pytorch issue
 181723, fixed likewise in TransformerEngine).
 
 The graph keeps the forward's activations (its saved tensors) in the pool for the graph's
@@ -36,10 +35,8 @@ requires grad, or it is bucketed. Double backward through a replay raises with t
 from __future__ import annotations
 
 import dataclasses
-import operator
 import sys
 import weakref
-from itertools import repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -114,18 +111,6 @@ class _ForwardWatch(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-_GRAD = operator.attrgetter("grad")
-_TENSOR_HOOKS = operator.attrgetter("_backward_hooks")
-# torch >= 2.0; for a leaf's node it raises while autograd.grad runs.
-_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
-
-
-def _grad_accumulator(leaf: Tensor) -> Any:
-    """The ``AccumulateGrad`` node of a leaf that requires grad."""
-    with torch.enable_grad():
-        return leaf.view_as(leaf).grad_fn.next_functions[0][0]
-
-
 class _Backward:
     """A key's backward graph and the static tensors around it.
 
@@ -146,9 +131,6 @@ class _Backward:
         self.trained = trained  # the arguments that require grad
         self.leaves = [(weakref.ref(t), survey.name(t)) for t in leaves]
         self.frozen = [(weakref.ref(t), survey.name(t)) for t in frozen]
-        # Asked whether this backward's engine run accumulates into .grad (not autograd.grad):
-        # the first leaf's AccumulateGrad, which the forward's autograd graph keeps alive.
-        self.accumulator = _grad_accumulator(leaves[0]) if leaves else None
 
     def changed(self) -> Optional[str]:
         """Which leaf no longer fits the backward graph: freed, or a parameter unfrozen whose
@@ -163,23 +145,8 @@ class _Backward:
                 return f"{name}.requires_grad (turned on since capture)"
         return None
 
-    def accumulates_in_place(self, leaves: Sequence[Tensor]) -> bool:
-        """Whether autograd will only add each leaf's gradient into its existing ``.grad``
-        (``AccumulateGrad``'s in-place add), so that it may get the graph's own buffer: this
-        engine run accumulates (``backward()``, not ``autograd.grad``, which hands gradients
-        to its caller), every leaf has a ``.grad``, and none has a tensor hook (which gets the
-        gradient itself and may keep it)."""
-        if _will_engine_execute_node is None or self.accumulator is None or \
-                not all(map(operator.is_not, map(_GRAD, leaves), repeat(None))) or \
-                any(map(_TENSOR_HOOKS, leaves)):
-            return False
-        try:
-            return _will_engine_execute_node(self.accumulator)
-        except RuntimeError:  # "...running autograd.grad()": it returns the gradients
-            return False
-
-    def replay(self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool],
-               leaves: Sequence[Tensor]) -> List[Optional[Tensor]]:
+    def replay(self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool]
+               ) -> List[Optional[Tensor]]:
         dst, src = [], []
         for static, grad in zip(self.grad_outputs,
                                 (g for g, need in zip(grads, self.needs) if need)):
@@ -190,7 +157,7 @@ class _Backward:
                 src.append(grad)
         copy_all(dst, src)
         self.graph.replay()
-        return self.results.hand_out(needed, self.accumulates_in_place(leaves))
+        return self.results.hand_out(needed)
 
 
 class _Replay(torch.autograd.Function):
@@ -200,7 +167,6 @@ class _Replay(torch.autograd.Function):
     def forward(ctx: Any, graph: "TrainingGraph", tensors: Sequence[Tensor], copy_in: bool,
                 caller: Any, *differentiable: Tensor) -> Tuple[Tensor, ...]:
         ctx.graph = graph
-        ctx.leaves = differentiable[len(graph.backward.trained):]
         ctx.set_materialize_grads(False)
         # Held only by this call's autograd graph, until its backward ran (without
         # retain_graph) or the graph was dropped: while it lives, the activations in the
@@ -228,7 +194,7 @@ class _Replay(torch.autograd.Function):
                 f"autograph.region(enabled=False).")
         graph.pool.before_replay()
         return (None, None, None, None,
-                *graph.backward.replay(grads, ctx.needs_input_grad[4:], ctx.leaves))
+                *graph.backward.replay(grads, ctx.needs_input_grad[4:]))
 
 
 def _refuse_before_capture(request: CaptureRequest) -> None:

@@ -139,9 +139,15 @@ def _snapshot(value: Any) -> Any:
 
 # ---- comparing ----
 
-def _error(expected: Tensor, actual: Tensor) -> Optional[str]:
+# Loose: a padded run against the call's own rows, whose kernels may differ with the row count
+# (another GEMM algorithm, another reduction order); what it is for, a value computed from
+# the batch size, differs by far more.
+_LOOSE = (1e-2, 1e-3)
+
+
+def _error(expected: Tensor, actual: Tensor, loose: bool = False) -> Optional[str]:
     """How ``actual`` differs from ``expected`` (same shape and dtype), or None if it is
-    within the dtype's tolerance."""
+    within the dtype's tolerance (``loose``: at least ``_LOOSE``'s)."""
     with torch.no_grad():
         if expected.layout is not torch.strided:
             expected, actual = expected.to_dense(), actual.to_dense()
@@ -157,6 +163,8 @@ def _error(expected: Tensor, actual: Tensor) -> Optional[str]:
             return f"max abs error {error} in {count} of {bad.numel()} elements (integers " \
                    f"must match exactly)"
         rtol, atol = tolerance(dtype)
+        if loose:
+            rtol, atol = max(rtol, _LOOSE[0]), max(atol, _LOOSE[1])
         wide = (torch.complex128 if dtype.is_complex else
                 torch.float64 if dtype == torch.float64 else torch.float32)
         e, a = expected.to(wide), actual.to(wide)
@@ -170,13 +178,13 @@ def _error(expected: Tensor, actual: Tensor) -> Optional[str]:
                 f"of {bad.numel()} elements (tolerance rtol={rtol:g}, atol={atol:g})")
 
 
-def _difference(path: str, expected: Any, actual: Any) -> Optional[str]:
+def _difference(path: str, expected: Any, actual: Any, loose: bool) -> Optional[str]:
     if isinstance(expected, Tensor) and isinstance(actual, Tensor):
         if (expected.shape, expected.dtype, expected.device) != (
                 actual.shape, actual.dtype, actual.device):
             return (f"{path} is {describe_tensor(expected)} in the eager run and "
                     f"{describe_tensor(actual)} in the replay")
-        error = _error(expected, actual)
+        error = _error(expected, actual, loose)
         return None if error is None else f"{path} ({describe_tensor(expected)}): {error}"
     if isinstance(expected, Tensor) or isinstance(actual, Tensor):
         return (f"{path} is {type(expected).__name__} in the eager run and "
@@ -189,13 +197,13 @@ def _difference(path: str, expected: Any, actual: Any) -> Optional[str]:
     return None
 
 
-def _first_output_difference(expected: List[Tuple[str, Any]], actual: List[Tuple[str, Any]]
-                             ) -> Optional[str]:
+def _first_output_difference(expected: List[Tuple[str, Any]], actual: List[Tuple[str, Any]],
+                             loose: bool = False) -> Optional[str]:
     for (path, e), (actual_path, a) in zip(expected, actual):
         if path != actual_path:
             return (f"the outputs differ in structure: {path} in the eager run where the "
                     f"replay has {actual_path}")
-        difference = _difference(path, e, a)
+        difference = _difference(path, e, a, loose)
         if difference is not None:
             return difference
     if len(expected) != len(actual):
@@ -216,21 +224,29 @@ def _as_tensor(storage: Any, dtype: torch.dtype) -> Tensor:
             storage, 0, (storage.nbytes() // size,), (1,))
 
 
-def _first_state_difference(written: List[Tuple[Any, torch.dtype, Any]], roots: Roots
-                            ) -> Optional[str]:
+def _first_state_difference(written: List[Tuple[Any, torch.dtype, Any]], roots: Roots,
+                            loose: bool = False) -> Optional[str]:
     for storage, dtype, after in written:
         replayed = _as_tensor(storage, dtype)
-        error = _error(_as_tensor(after, dtype), replayed)
+        error = _error(_as_tensor(after, dtype), replayed, loose)
         if error is not None:
             name = Survey(roots()).name(replayed)
             return f"{name}, which the call writes, holds other values after the replay: {error}"
     return None
 
 
+def _verify_says(difference: str) -> str:
+    return (f"verify: its replay differs from an eager run of the same call: {difference}. "
+            f"{_CAUSES}")
+
+
 def verified_replay(replay: Callable[[], Any], c: Any, function: str, key: str, roots: Roots,
-                    eager: Optional[Callable[[], Any]] = None) -> Tuple[Any, Optional[str]]:
+                    eager: Optional[Callable[[], Any]] = None,
+                    explain: Callable[[str], str] = _verify_says, loose: bool = False
+                    ) -> Tuple[Any, Optional[str]]:
     """Run the call ``c`` eagerly (``eager``, by default ``c.call`` on its arguments) and take
-    it back, ``replay`` the graph, and compare.
+    it back, ``replay`` the graph, and compare (``loose``: within ``_LOOSE`` at least);
+    ``explain`` makes the reason from what differs.
 
     >>> outputs, mismatch = verified_replay(lambda: life.graph.replay(c.tensors, c.padding),
     ...                                     c, "step", life.label, roots)
@@ -248,13 +264,12 @@ def verified_replay(replay: Callable[[], Any], c: Any, function: str, key: str, 
         written = run.take_back()
     with profile_range("replay", function, key):
         outputs = replay()
-    difference = (_first_output_difference(expected, list(leaves(outputs, given)))
-                  or _first_state_difference(written, roots))
+    difference = (_first_output_difference(expected, list(leaves(outputs, given)), loose)
+                  or _first_state_difference(written, roots, loose))
     if difference is None:
         return outputs, None
     run.redo(written)
-    return expected_outputs, (f"verify: its replay differs from an eager run of the same "
-                              f"call: {difference}. {_CAUSES}")
+    return expected_outputs, explain(difference)
 
 
 def checked_replay(life: Any, c: Any, run_call: Callable[[Any, Any], Any]) -> Any:
