@@ -23,6 +23,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, List, Optional
 
+from ._islands import NO_ISLAND
+
 REPLAY, EAGER_RUN = "replay", "eager"
 GRAPH, EAGER = "graph", "eager"
 
@@ -162,6 +164,7 @@ def timed_call(life: Any, c: Any) -> Any:
             said = "payoff" in c.cache.said
             c.cache.said.add("payoff")
             life.fall_back(payoff.reason(), warn=not said, strict=False)
+            life.island = NO_ISLAND
             return life.run_eagerly(c)
         return life.run(c)
     run = payoff.next_run()
