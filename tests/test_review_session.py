@@ -1,6 +1,8 @@
 """Hostile review of this session's changes (private generators, per_bucket, size reads under
 buckets, the replay path, training replays that hand autograd the graph's own gradients): each
 test compares with eager and asserts the graph state. Strict xfails are open defects."""
+import contextlib
+
 import pytest
 import torch
 
@@ -19,16 +21,20 @@ def _mlp(device):
 # ---- training: the graph's own gradient buffers handed to autograd ----
 
 def _kept_by_accumulator_hooks(device, graph, kind):
-    """Train 5 steps with every .grad existing (so replays hand out the graph's own views) and
+    """Train 5 steps with every .grad existing (replays once handed out the graph's own views) and
     a hook on each parameter's AccumulateGrad node (as DDP's reducer and DeepSpeed register)
     that keeps the gradient it is given; return those gradients, read after the last step."""
     model = _mlp(device)
     params = list(model.parameters())
     fn = autograph.graphed(model) if graph else model
     kept, nodes, step = {}, [], [0]
-    for i, p in enumerate(params):
-        node = p.view_as(p).grad_fn.next_functions[0][0]   # the AccumulateGrad node
-        nodes.append(node)                                  # hooks live as long as the node
+    # On CUDA the nodes are made on autograph's capture stream, as DDP is built there: a node
+    # kept from the default stream makes a capture wait on it, and the key runs eagerly
+    streams = torch.cuda.stream(autograph.capture_stream()) if device == "cuda" else \
+        contextlib.nullcontext()
+    with streams:
+        nodes += [p.view_as(p).grad_fn.next_functions[0][0] for p in params]  # AccumulateGrad
+    for i, (p, node) in enumerate(zip(params, nodes)):  # hooks live as long as the node
 
         def keep(incoming, i=i):
             kept[(step[0], i)] = incoming[0]
