@@ -18,7 +18,7 @@ import torch
 from ._plan import InputPlan
 from ._reads import GradSlots, ReadWatch, Survey
 from ._recording import CaptureRequest, Recorded, record
-from ._slots import SlotWatch, registrations
+from ._slots import GeneratorSlots, SlotWatch, registrations
 
 Tensor = torch.Tensor
 
@@ -50,6 +50,7 @@ class Graph:
         pool.graphs.add(self)
         self.watch: Optional[ReadWatch] = None
         self.slots: Optional[SlotWatch] = None  # where its reads by address live (_slots)
+        self.generators: Optional[GeneratorSlots] = None  # where its generators live
 
     @classmethod
     def record(cls, request: CaptureRequest) -> "Graph":
@@ -83,6 +84,8 @@ class Graph:
         if self.invalid_reason is None and slots is not None and \
                 slots.seen != registrations.count:
             self.invalid_reason = slots.changed(always=False)
+        if self.invalid_reason is None and self.generators is not None:
+            self.invalid_reason = self.generators.changed()
         return self.invalid_reason is None
 
     def watch_reads(self) -> None:
@@ -100,6 +103,7 @@ class Graph:
             external = {ptr: t for ptr, t in external.items() if ptr not in own}
             self.watch = ReadWatch(self, external, survey, drawn)
             self.slots = SlotWatch(survey, external)
+            self.generators = GeneratorSlots.of(survey, drawn)
             self.inputs.forget_addressed()
 
     def release(self) -> None:

@@ -154,8 +154,9 @@ class Survey:
         self.slots: Dict[int, Tuple[Any, str, str, Tensor]] = {}
         self.leaves: Dict[int, Tuple[Tensor, Optional[Tensor], str]] = {}
         # The random generators reachable, by the generator's identity: the caller's objects
-        # (an op is handed a new Python object for the same generator at each draw).
-        self.generators: Dict[int, Tuple[torch.Generator, str]] = {}
+        # (an op is handed a new Python object for the same generator at each draw), their
+        # paths, and where they were reached as an attribute (owner, its dictionary, key).
+        self.generators: Dict[int, Tuple[torch.Generator, str, Optional[tuple]]] = {}
         self._seen: Set[int] = set()
         self._budget = _MAX_NODES
         for path, root in roots:
@@ -176,7 +177,7 @@ class Survey:
                 self.leaves[id(obj)] = (obj, obj.grad, path)
             return
         if isinstance(obj, torch.Generator):
-            self.generators.setdefault(obj._cdata, (obj, path))
+            self.generators.setdefault(obj._cdata, (obj, path, slot))
             return
         if left == 0 or isinstance(obj, (str, bytes, int, float, type, type(None),
                                          types.ModuleType)):
@@ -312,7 +313,7 @@ class ReadWatch:
             weakref.ref(tensor.untyped_storage(),
                         functools.partial(_mark_invalid, graph_ref, survey.name(tensor)))
             for tensor in external.values()]
-        for generator, path in filter(None, (survey.generators.get(g._cdata) for g in drawn)):
+        for generator, path, _ in filter(None, (survey.generators.get(g._cdata) for g in drawn)):
             try:
                 self.refs.append(weakref.ref(
                     generator, functools.partial(_mark_invalid, graph_ref, path)))

@@ -96,3 +96,39 @@ class SlotWatch:
             if not isinstance(held, dict) or held.get(key) is not tensor_ref():
                 return f"{name} (replaced since capture)"
         return None
+
+
+class GeneratorSlots:
+    """Where the private generators a graph draws from were reached as attributes, checked on
+    every replay: a generator swapped for another that stays alive elsewhere
+    (``module.generator = other``) is freed never, and the graph would draw from the old one.
+
+    >>> slots = GeneratorSlots.of(survey, drawn)     # None where none was an attribute
+    >>> slots.changed()                              # 'self.generator (replaced since capture)'
+    """
+
+    def __init__(self, slots: List[Tuple[Any, str, str, int, str]]):
+        self.slots = slots
+
+    @classmethod
+    def of(cls, survey: Any, drawn: Any) -> Optional["GeneratorSlots"]:
+        slots = []
+        for generator in drawn:
+            found = survey.generators.get(generator._cdata)
+            if found is None or found[2] is None:
+                continue  # not reached as an attribute (a closure, a global): README, Limits
+            (owner, group, key), path = found[2], found[1]
+            try:
+                slots.append((weakref.ref(owner), group, key, generator._cdata, path))
+            except TypeError:  # an owner without weak references
+                continue
+        return cls(slots) if slots else None
+
+    def changed(self) -> Optional[str]:
+        """The name of an attribute that no longer holds its generator, or None."""
+        for owner_ref, group, key, identity, name in self.slots:
+            owner = owner_ref()
+            held = None if owner is None else getattr(owner, group, None)
+            if isinstance(held, dict) and getattr(held.get(key), "_cdata", None) != identity:
+                return f"{name} (replaced since capture)"
+        return None

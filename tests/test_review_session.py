@@ -132,11 +132,8 @@ def _draws_after_a_swap(device, graph):
     return outputs, fn, (first.get_state(), second.get_state())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a generator rebound after capture is noticed only when the old one is freed "
-    "(_reads.ReadWatch's weak reference callback); rebound to another live generator, the "
-    "graph keeps drawing from the old one (_cpu_graphs records the captured generator, CUDA "
-    "registered it): values and both generators' states differ from eager, no warning"))
+# Found by review: the graph kept drawing from the old generator. A generator reached as an
+# attribute is now checked on every replay (_slots.GeneratorSlots), and a swap captures again.
 def test_a_generator_attribute_swapped_for_another_live_one_is_drawn_from(device):
     got, fn, got_states = _draws_after_a_swap(device, True)
     assert states(fn)[0][3] >= 1  # replayed
