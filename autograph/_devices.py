@@ -79,15 +79,27 @@ def why_not_keyed(args: Sequence[Any], kwargs: dict) -> Optional[str]:
     so that such calls cost about what the bare call does; other calls are keyed first: an
     unhashable argument is an error everywhere, with or without CUDA)."""
     emulation = _emulation
+    if emulation is None and args and not kwargs:
+        # Plain CPU tensors first: such a call runs as written whether or not a capture is
+        # running (inside one, it is counted with the calls on the CPU), at the least cost.
+        for a in args:
+            if type(a) is not Tensor or a.is_cuda:
+                break
+        else:
+            return _cpu_reason or _first_cpu_reason()
     if (emulation is not None and emulation.is_capturing()) or (
             torch.cuda.is_initialized() and _capturing()):
         return INSIDE_A_CAPTURE
-    if kwargs or not args or emulation is not None:
-        return None
-    for a in args:
-        if type(a) is not Tensor or a.is_cuda:
-            return None
-    return ON_THE_CPU if cuda_available() else NO_CUDA
+    return None
+
+
+_cpu_reason: Optional[str] = None  # why plain CPU tensors are not keyed, once asked
+
+
+def _first_cpu_reason() -> str:
+    global _cpu_reason
+    _cpu_reason = ON_THE_CPU if cuda_available() else NO_CUDA
+    return _cpu_reason
 
 
 # torch.cuda.is_current_stream_capturing() without its Python wrapper (asked on every call);
