@@ -138,13 +138,14 @@ class CpuGraphs:
                 uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
         """Record ``run()`` and undo its effects; its exception goes to ``error``, not raised.
 
-        Every generator the recording draws from, private or not, is found as it runs, put
-        back after it and drawn from afresh by each replay: as CUDA does with the generators
-        registered with its graph (``generators``, which need no registering here).
+        Every generator the recording draws from is put back after it and drawn from afresh
+        by each replay, as CUDA does with the generators registered with its graph
+        (``generators``); one not among them (made inside the call) is refused, as CUDA
+        refuses an unregistered generator.
 
         ``memory_bytes`` is the memory the recording allocated, which the graph holds.
         """
-        recorder = Recorder()
+        recorder = Recorder(generators)
         result = Capture(None)
         with _capture_lock:
             started = time.perf_counter()

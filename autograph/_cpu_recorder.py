@@ -12,7 +12,7 @@ one freed or moved raises instead of reading stale memory. See ``_cpu_graphs`` f
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -162,8 +162,11 @@ class RecordedOp:
 class Recorder(CompiledCodeRunsUnder):
     """Records the ops that write memory or make new tensors, and what to undo after."""
 
-    def __init__(self) -> None:
+    def __init__(self, generators: Sequence[torch.Generator] = ()) -> None:
         super().__init__()
+        # The generators the capture may draw from (the default one, and those a CUDA capture
+        # would register): another is refused as CUDA refuses an unregistered generator.
+        self.known = {torch.default_generator._cdata, *(g._cdata for g in generators)}
         self.ops: List[RecordedOp] = []
         # Storages made during the recording, by _storage_key: the graph's pool. Holding them
         # also keeps their keys from being reused by later storages.
@@ -193,6 +196,11 @@ class Recorder(CompiledCodeRunsUnder):
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         for leaf in leaves:
             if isinstance(leaf, torch.Generator) and id(leaf) not in self.generators:
+                if leaf._cdata not in self.known:
+                    raise RuntimeError(
+                        "the emulated capture draws from a random generator that its warmup "
+                        "did not draw from and the call cannot reach (made inside the call?): "
+                        "on CUDA this is an unregistered CUDA generator, which torch refuses")
                 self.generators[id(leaf)] = (leaf, leaf.get_state())
         written = written_tensors(func, args, kwargs)
         for tensor in written:

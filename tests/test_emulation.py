@@ -20,8 +20,8 @@ from autograph.testing import emulate_graphs_on_cpu as public_emulate_graphs_on_
 from conftest import autograph_warnings
 
 
-def capture(run):
-    result = CPU.capture(run, -1, CPU.new_pool(-1))
+def capture(run, generators=()):
+    result = CPU.capture(run, -1, CPU.new_pool(-1), False, generators)
     assert result.error is None and result.hard_error is None, result.error
     assert isinstance(result.graph, CpuGraph)
     return result
@@ -132,7 +132,7 @@ def test_random_draws_match_eager_call_for_call_under_a_seed():
     torch.manual_seed(0)
     generator.manual_seed(1)
     before_default, before_explicit = torch.get_rng_state(), generator.get_state()
-    result = capture(lambda: random_step(x, generator))
+    result = capture(lambda: random_step(x, generator), [generator])  # registered, as on CUDA
     assert torch.equal(torch.get_rng_state(), before_default)     # the capture drew nothing
     assert torch.equal(generator.get_state(), before_explicit)
     graphed = []
@@ -414,3 +414,11 @@ def test_hf_bert_skips_its_padding_mask_read_while_recording_and_is_graphed(emul
     row, = autograph.stats(graphed)
     assert (row.state, row.replays) == ("graphed", 3), row.fallback_reason
     assert autograph_warnings(caught) == []
+
+
+def test_a_generator_not_registered_with_the_capture_is_refused_as_cuda_refuses_it():
+    x = torch.ones(16)
+    generator = torch.Generator().manual_seed(1)
+    result = CPU.capture(lambda: random_step(x, generator), -1, CPU.new_pool(-1))
+    assert isinstance(result.error, RuntimeError)
+    assert "unregistered CUDA generator" in str(result.error)
