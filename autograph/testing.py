@@ -39,9 +39,10 @@ What the emulation models, as a CUDA graph behaves:
 What it does not model: it is not a CUDA graph. No CUDA errors (illegal ops during capture,
 pageable-memory copies, syncs) are raised by the emulation itself, there is no memory pool
 shared between graphs, the kernels are CPU kernels (numerics may differ from CUDA's), and
-timings and memory figures mean nothing. Generators: a private generator made or reseeded
+timings and memory figures mean nothing. Generators: a private generator reseeded
 (``g.manual_seed()``) inside the function is graphed by the emulation, which replays its draws
-from the generator's state as it goes on; CUDA refuses that capture (the key runs eagerly).
+from the generator's state as it goes on; CUDA refuses that capture (the key runs eagerly). One
+made inside the function is refused by both.
 """
 from ._cpu_graphs import emulate_graphs_on_cpu
 
