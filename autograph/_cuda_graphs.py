@@ -146,7 +146,7 @@ def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Strea
         del reset
 
 
-def _register(graph: "torch.cuda.CUDAGraph", generators: Sequence[Any]) -> None:
+def _register(graph: "torch.cuda.CUDAGraph", generators: Sequence[Any], device: int) -> None:
     """Register the private CUDA generators the call draws from with ``graph``, before its
     capture begins (``CUDAGraph.register_generator_state``, torch >= 2.4).
 
@@ -166,8 +166,8 @@ def _register(graph: "torch.cuda.CUDAGraph", generators: Sequence[Any]) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
-        for generator in generators:
-            if generator.device.type == "cuda":
+        for generator in generators:  # those of the capture's GPU (another's is no use)
+            if generator.device.type == "cuda" and generator.device.index in (None, device):
                 register(generator)
 
 
@@ -224,7 +224,7 @@ class CudaGraphs:
                 uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
         graph = torch.cuda.CUDAGraph()
         result = Capture(graph)
-        _register(graph, generators)
+        _register(graph, generators, device)
         with _capture_lock, torch.cuda.device(device), _no_garbage_collection():
             caller = torch.cuda.current_stream(device)
             stream = _capture_stream(device)
