@@ -125,8 +125,12 @@ def _end_quietly(graph: "torch.cuda.CUDAGraph") -> None:
         graph.capture_end()
 
 
-def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Stream") -> None:
-    if torch.__version__ < "2.14":
+def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Stream",
+                               began: bool) -> None:
+    # The pool is released only after a capture that began: a capture_begin that raised may
+    # not have routed or retained it, and releasing it then drives its use count below zero
+    # (torch 2.11 decrements, then asserts; a later empty_cache() asserts again).
+    if began and torch.__version__ < "2.14":
         try:
             torch._C._cuda_endAllocateToPool(device, pool)
         except RuntimeError:
@@ -134,9 +138,8 @@ def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Strea
         try:
             torch._C._cuda_releasePool(device, pool)
         except RuntimeError:
-            # Its use count is already zero ("uc >= 0" asserted, nothing changed): seen on
-            # torch 2.11 after a run of failed captures in one process. The generator reset
-            # below must happen regardless, or every later random draw fails.
+            # Released already (torch decremented, then asserted "uc >= 0"): the generator
+            # reset below must happen regardless, or every later random draw fails.
             logger.debug("the pool of a failed capture on cuda:%d was released already", device)
     if torch.__version__ < "2.12":
         reset = torch.cuda.CUDAGraph()
@@ -241,8 +244,10 @@ class CudaGraphs:
                                              and not torch.is_autocast_enabled("cuda"))
             try:
                 with torch.cuda.stream(stream):
+                    began = False
                     try:
                         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                        began = True
                     except RuntimeError as error:
                         result.hard_error = error
                     else:
@@ -256,7 +261,7 @@ class CudaGraphs:
                             except RuntimeError as error:
                                 result.hard_error = error
                 if result.hard_error is not None:
-                    _recover_from_hard_failure(device, pool, stream)
+                    _recover_from_hard_failure(device, pool, stream, began)
                     logger.debug("cleaned up after a failed capture on cuda:%d", device)
             finally:
                 torch.set_autocast_cache_enabled(cache_enabled)
