@@ -127,14 +127,16 @@ def _end_quietly(graph: "torch.cuda.CUDAGraph") -> None:
 
 def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Stream",
                                began: bool) -> None:
-    # The pool is released only after a capture that began: a capture_begin that raised may
-    # not have routed or retained it, and releasing it then drives its use count below zero
-    # (torch 2.11 decrements, then asserts; a later empty_cache() asserts again).
-    if began and torch.__version__ < "2.14":
+    # The routing is ended whatever happened (ending none raises, and is ignored), but the
+    # pool released only after a capture that began: a capture_begin that raised may not
+    # have retained it, and a release then drives its use count below zero (torch 2.11
+    # decrements, then asserts; a later empty_cache() asserts again).
+    if torch.__version__ < "2.14":
         try:
             torch._C._cuda_endAllocateToPool(device, pool)
         except RuntimeError:
             pass  # torch >= 2.12 may have ended the routing already
+    if began and torch.__version__ < "2.14":
         try:
             torch._C._cuda_releasePool(device, pool)
         except RuntimeError:
