@@ -188,9 +188,11 @@ class Survey:
                 for key, value in getattr(obj, group).items():
                     if value is not None:
                         self._visit(f"{path}.{key}", value, left - 1, (obj, group, key))
+            # A module's own internals start with "_"; a private generator kept there
+            # (self._generator) is state the call draws from, and is reached.
             children: Iterable[Tuple[str, Any, Any]] = (
                 (f"{path}.{k}", v, (obj, "__dict__", k)) for k, v in vars(obj).items()
-                if not k.startswith("_"))
+                if not k.startswith("_") or isinstance(v, torch.Generator))
         elif isinstance(obj, dict):
             children = ((f"{path}[{k!r}]", v, None) for k, v in list(obj.items())[:256])
         elif isinstance(obj, (list, tuple)):

@@ -157,12 +157,8 @@ def test_a_generator_attribute_swapped_after_capture_is_followed(device):
         torch.testing.assert_close(g, e, msg=f"call {i}")
 
 
-# Defect: the survey (_reads.Survey._visit) skips a module's attributes whose names start with
-# "_", so a generator kept as self._generator (the usual name) is never a GeneratorSlots slot:
-# swapped after capture, the graph keeps drawing from the old one. The README promises a
-# generator "reached as an attribute" is checked on every replay.
-@pytest.mark.xfail(strict=True, reason="_reads.Survey._visit skips module attributes named "
-                   "'_...': GeneratorSlots never watches self._generator")
+# Found by review: the survey skipped a module's attributes whose names start with "_", so a
+# generator kept as self._generator was never watched; such a generator is now reached.
 def test_a_private_named_generator_attribute_swapped_after_capture_is_followed(device):
     got, fn = _swapped("_generator", device, graph=True)
     assert states(fn)[0][0] == "graphed"
