@@ -136,13 +136,14 @@ def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Strea
             torch._C._cuda_endAllocateToPool(device, pool)
         except RuntimeError:
             pass  # torch >= 2.12 may have ended the routing already
-    if began and torch.__version__ < "2.14":
-        try:
-            torch._C._cuda_releasePool(device, pool)
-        except RuntimeError:
-            # Released already (torch decremented, then asserted "uc >= 0"): the generator
-            # reset below must happen regardless, or every later random draw fails.
-            logger.debug("the pool of a failed capture on cuda:%d was released already", device)
+        if began:
+            try:
+                torch._C._cuda_releasePool(device, pool)
+            except RuntimeError:
+                # Released already (torch decremented, then asserted "uc >= 0"): the
+                # generator reset below must happen regardless, or every later draw fails.
+                logger.debug("the pool of a failed capture on cuda:%d was released already",
+                             device)
     if torch.__version__ < "2.12":
         reset = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
