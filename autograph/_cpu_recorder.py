@@ -173,9 +173,11 @@ class Recorder(CompiledCodeRunsUnder):
         self.pool: Dict[int, torch.UntypedStorage] = {}
         # What the recording wrote that existed before, with its contents before the write.
         self.saved: Dict[int, Tuple[Any, Any]] = {}
+        # Each generator drawn from, by its identity (an op is handed its own Python object
+        # for a generator), with its state before the recording.
         default = torch.default_generator
         self.generators: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {
-            id(default): (default, default.get_state())}
+            default._cdata: (default, default.get_state())}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Any = None) -> Any:
@@ -195,13 +197,13 @@ class Recorder(CompiledCodeRunsUnder):
         leaves, spec = tree_flatten((args, kwargs))
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         for leaf in leaves:
-            if isinstance(leaf, torch.Generator) and id(leaf) not in self.generators:
+            if isinstance(leaf, torch.Generator) and leaf._cdata not in self.generators:
                 if leaf._cdata not in self.known:
                     raise RuntimeError(
                         "the emulated capture draws from a random generator that its warmup "
                         "did not draw from and the call cannot reach (made inside the call?): "
                         "on CUDA this is an unregistered CUDA generator, which torch refuses")
-                self.generators[id(leaf)] = (leaf, leaf.get_state())
+                self.generators[leaf._cdata] = (leaf, leaf.get_state())
         written = written_tensors(func, args, kwargs)
         for tensor in written:
             self._save_before_write(tensor)

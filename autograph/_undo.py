@@ -44,9 +44,11 @@ class UndoWrites(CompiledCodeRunsUnder):
         kwargs = kwargs or {}
         for value in (*args, *kwargs.values()):
             # A private generator (torch.rand(..., generator=g)) is state the call advances,
-            # like the default ones: saved before its first draw.
+            # like the default ones: saved before its first draw. An op is handed its own
+            # Python object for a generator (the default one too, passed explicitly): told
+            # apart by the generator's identity, or a later state would be saved over it.
             if isinstance(value, torch.Generator) and \
-                    all(value is not g for g, _ in self.generators):
+                    all(value._cdata != g._cdata for g, _ in self.generators):
                 self.generators.append((value, value.get_state()))
         for tensor in written_tensors(func, args, kwargs):
             storage = tensor.untyped_storage()

@@ -774,3 +774,23 @@ def test_a_private_generator_rebound_after_capture_is_drawn_from(device):
     assert torch.equal(state["generator"].get_state(), reference.get_state())
     (row,) = states(noisy)
     assert row[0] == "graphed" and row[3] > replays   # captured again, and replayed
+
+
+def test_draws_from_the_default_generator_passed_explicitly_are_taken_back(device):
+    # verify's eager check (and the emulation's recording) take back the default generator's
+    # draws; an op is handed its own object for it when passed explicitly, which was saved
+    # again after the first draw, so the check left the generator advanced
+    default = torch.cuda.default_generators[0] if device == "cuda" else torch.default_generator
+
+    @autograph.graphed(verify=2)
+    def noisy(x):
+        return x + torch.rand(3, device=device) + torch.rand(3, generator=default, device=device)
+
+    x = torch.zeros(3, device=device)
+    torch.manual_seed(0)
+    got = [noisy(x) for _ in range(4)]
+    torch.manual_seed(0)
+    for out in got:
+        expected = x + torch.rand(3, device=device) + torch.rand(3, device=device)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert states(noisy) == [("graphed", 4, 1, 3)]
