@@ -22,7 +22,8 @@ import dis
 import functools
 import types
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import (Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence,
+                    Set, Tuple)
 
 import torch
 
@@ -138,6 +139,15 @@ def shares_state(tensors: Sequence[Tensor], storages: Set[int]) -> bool:
 _MAX_NODES = 50_000
 
 
+class ReachedGenerator(NamedTuple):
+    """A random generator a call can reach: the caller's object, its path, and where it was
+    reached as an attribute (owner, the owner's dictionary, key), or None."""
+
+    generator: torch.Generator
+    path: str
+    slot: Optional[Tuple[Any, str, str]]
+
+
 class Survey:
     """The tensors reachable from a call's roots, taken before its capture.
 
@@ -154,9 +164,8 @@ class Survey:
         self.slots: Dict[int, Tuple[Any, str, str, Tensor]] = {}
         self.leaves: Dict[int, Tuple[Tensor, Optional[Tensor], str]] = {}
         # The random generators reachable, by the generator's identity: the caller's objects
-        # (an op is handed a new Python object for the same generator at each draw), their
-        # paths, and where they were reached as an attribute (owner, its dictionary, key).
-        self.generators: Dict[int, Tuple[torch.Generator, str, Optional[tuple]]] = {}
+        # (an op is handed its own Python object for a generator).
+        self.generators: Dict[int, ReachedGenerator] = {}
         self._seen: Set[int] = set()
         self._budget = _MAX_NODES
         for path, root in roots:
@@ -177,7 +186,7 @@ class Survey:
                 self.leaves[id(obj)] = (obj, obj.grad, path)
             return
         if isinstance(obj, torch.Generator):
-            self.generators.setdefault(obj._cdata, (obj, path, slot))
+            self.generators.setdefault(obj._cdata, ReachedGenerator(obj, path, slot))
             return
         if left == 0 or isinstance(obj, (str, bytes, int, float, type, type(None),
                                          types.ModuleType)):
@@ -315,10 +324,10 @@ class ReadWatch:
             weakref.ref(tensor.untyped_storage(),
                         functools.partial(_mark_invalid, graph_ref, survey.name(tensor)))
             for tensor in external.values()]
-        for generator, path, _ in filter(None, (survey.generators.get(g._cdata) for g in drawn)):
+        for reached in filter(None, (survey.generators.get(g._cdata) for g in drawn)):
             try:
                 self.refs.append(weakref.ref(
-                    generator, functools.partial(_mark_invalid, graph_ref, path)))
+                    reached.generator, functools.partial(_mark_invalid, graph_ref, reached.path)))
             except TypeError:  # torch < 2.12 (pytorch#180290): unseen, README Limits
                 break
 

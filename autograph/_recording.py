@@ -170,8 +170,8 @@ def _generators(drawn: Sequence[torch.Generator], survey: Survey) -> list:
     reach (a generator rebound since the warmup, which a recapture meets first), once each.
     A generator registered and not drawn from costs a replay nothing."""
     found = {g._cdata: g for g in drawn}
-    for generator, _, _ in survey.generators.values():
-        found.setdefault(generator._cdata, generator)
+    for reached in survey.generators.values():
+        found.setdefault(reached.generator._cdata, reached.generator)
     return list(found.values())
 
 

@@ -115,11 +115,11 @@ class GeneratorSlots:
         slots = []
         for generator in drawn:
             found = survey.generators.get(generator._cdata)
-            if found is None or found[2] is None:
+            if found is None or found.slot is None:
                 continue  # not reached as an attribute (a closure, a global): README, Limits
-            (owner, group, key), path = found[2], found[1]
+            owner, group, key = found.slot
             try:
-                slots.append((weakref.ref(owner), group, key, generator._cdata, path))
+                slots.append((weakref.ref(owner), group, key, generator._cdata, found.path))
             except TypeError:  # an owner without weak references
                 continue
         return cls(slots) if slots else None
