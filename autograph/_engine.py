@@ -14,6 +14,7 @@ from the key lookup to the copy of the outputs (docs/design.md, "A call's life")
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
 import itertools
 import threading
@@ -296,6 +297,12 @@ class Engine:
     @staticmethod
     def free(devices: Any) -> None:
         """Give the memory of released graphs back to these devices."""
+        if devices:
+            # A graph in a reference cycle holds its pool until the collector runs: one made
+            # by a traceback that keeps the frames of a call (torch stores some, for example
+            # on the first ``import torch._dynamo`` inside a call). Reset is rare and asked
+            # for its memory: collect first.
+            gc.collect()
         for device in devices:
             if device >= 0:
                 _devices.CUDA.free(device)

@@ -8,6 +8,7 @@ fallbacks.
 import collections
 import dataclasses
 import gc
+import sys
 import threading
 import weakref
 
@@ -421,6 +422,32 @@ def test_reset_drops_graphs_and_starts_over(device):
     assert f.stats() == []
     assert torch.equal(f(torch.ones(2, device=device)), torch.full((2,), 3.0, device=device))
     assert states(f) == [("warmup", 1, 1, 0)]
+
+
+def test_reset_frees_a_graph_that_a_reference_cycle_holds(device):
+    # The warmup leaves a cycle holding its frame, whose caller frames hold the key's life
+    # (torch's own first import of torch._dynamo inside a call left one): reset collects it.
+    cycles = []
+
+    @autograph.graphed
+    def f(x):
+        if not cycles:
+            cycle = [sys._getframe()]
+            cycle.append(cycle)
+            cycles.append(True)
+        return x * 3
+
+    gc.disable()
+    try:
+        for _ in range(3):
+            f(torch.ones(2, device=device))
+        assert states(f) == [("graphed", 3, 1, 2)]
+        graphs = [weakref.ref(g) for g in gc.get_objects() if type(g).__name__ == "Graph"]
+        assert graphs and cycles
+        f.reset()
+        assert [g for g in graphs if g() is not None] == []
+    finally:
+        gc.enable()
 
 
 def test_unsafe_operation_falls_back_once_with_the_users_line(device, caught):
