@@ -17,6 +17,12 @@ calls are keyed again (a look); the first new key after a look passes through ag
 for twice as many calls (up to ``longest``); a look that meets known keys lets them warm up,
 capture and replay as usual, and the first replay seen at a new key ends the episode.
 
+A key whose identity-keyed object died before it replayed (``key_died_unused``) could never
+have replayed: its function is handed a new object per call (HF ``generate(cache_implementation=
+"static")`` builds a new StaticCache each time, and the prefill's key holds it). ``orphans``
+such keys in a row, with no replay between them, pass through at once: the window's wait, each
+new key watched op by op, would cost about ten eager calls per call for 16 calls.
+
 The pass-through costs one attribute test and a decrement per call; everything else runs at
 new keys, which cost a warmup anyway. The test is ``> 0``, not truthiness: two threads may
 both decrement the last count, and a negative count must end the pass-through, not extend it.
@@ -33,6 +39,9 @@ from ._stats import KeyStats
 # fewer: a server that calls a model at N batch sizes in turn makes N new keys before any
 # repeats (and is captured on its second round); 16 lets N reach 15 (max_graphs' default).
 WINDOW = 16
+# Keys in a row whose identity-keyed object died before they replayed: two are a pattern (a new
+# object per call), and a third new key then passes through.
+ORPHANS = 2
 # Calls passed through before the first look; each look that meets a new key doubles it.
 FIRST_PASS = 16
 LONGEST_PASS = 1024
@@ -41,16 +50,18 @@ LONGEST_PASS = 1024
 class Churn:
     """The pass-through policy of one key cache (see the module docstring)."""
 
-    __slots__ = ("function", "window", "first", "longest", "left", "length", "streak",
-                 "replays_seen", "passed", "looks", "last_parts", "last_change")
+    __slots__ = ("function", "window", "orphans", "first", "longest", "left", "length",
+                 "streak", "died_unused", "replays_seen", "passed", "looks", "last_parts",
+                 "last_change")
 
     def __init__(self, function: str, window: int = WINDOW, first: int = FIRST_PASS,
-                 longest: int = LONGEST_PASS):
+                 longest: int = LONGEST_PASS, orphans: int = ORPHANS):
         self.function = function
-        self.window, self.first, self.longest = window, first, longest
+        self.window, self.orphans, self.first, self.longest = window, orphans, first, longest
         self.left = 0  # calls still to pass through: the engine's hot-path test
         self.length = 0  # the current (or last) pass-through's length; 0: never passed
         self.streak = 0  # new keys since a graph last replayed
+        self.died_unused = 0  # of those, keys whose identity-keyed object died first
         self.replays_seen = 0  # replays of graphed keys, summed when the last key was made
         self.passed = 0  # calls passed through in finished pass-throughs
         self.looks = 0  # pass-throughs that ended in a look
@@ -66,13 +77,13 @@ class Churn:
         replays = sum(e.replays for e in entries if e.graph is not None)
         if replays != self.replays_seen:  # a graph replayed since the last new key: it pays
             self.replays_seen = replays
-            self.streak, self.length = 0, 0
+            self.streak, self.died_unused, self.length = 0, 0, 0
         self.streak += 1
         change = _what_changed(self.last_parts, parts)
         self.last_parts = parts
         if change:
             self.last_change = change
-        if self.streak < self.window:
+        if self.streak < self.window and self.died_unused < self.orphans:
             return False
         self.passed += self.length - max(self.left, 0)
         if self.length:
@@ -80,6 +91,11 @@ class Churn:
         self.length = self.first if not self.length else min(2 * self.length, self.longest)
         self.left = self.length
         return True
+
+    def key_died_unused(self) -> None:
+        """A key whose identity-keyed object died before the key replayed: counted towards
+        ``orphans`` (the next ``new_key`` decides)."""
+        self.died_unused += 1
 
     def calls_passed(self) -> int:
         return self.passed + self.length - max(self.left, 0)
@@ -93,17 +109,40 @@ class Churn:
                f"keying again since a look (the next new key passes through "
                f"{min(2 * self.length, self.longest)} calls)")
         changing = f"; from one key to the next: {self.last_change}" if self.last_change else ""
+        if self.died_unused:
+            changing += (f"; {self.died_unused} of them died before they were called again "
+                         f"(an argument is a new object on each call)")
         return KeyStats(
             function=self.function, key="calls passed through (keys churn)", state="eager",
             calls=passed, eager_calls=passed, replays=0, capture_seconds=None, graph_bytes=0,
             fallback_reason=(
                 f"{self.streak} new keys in a row were never graphed{changing}, so calls run "
                 f"as plain calls, unkeyed and unwatched; {self.looks} look(s) so far, "
-                f"{now}. Give that argument a fixed size (for a KV cache, transformers' "
-                f"StaticCache) to have it graphed"))
+                f"{now}. {self.advice()}"))
+
+    def warning(self, label: str) -> str:
+        """What is said once, when calls start to pass through; ``label``: the new key's."""
+        what = self.last_change or (f"the same readable key, {label}" if self.died_unused
+                                    else f"the key became {label}")
+        if self.died_unused:
+            what += (f" ({self.died_unused} of those keys died before they were called again: "
+                     f"an argument is a new object on each call)")
+        return (f"{self.function}: {self.streak} new keys, and no graph replayed since the "
+                f"first of them (a key is captured once it repeats). From one key to the next: "
+                f"{what}. Its calls now run as plain calls, unkeyed and unwatched, looking again "
+                f"now and then (report() has a row). {self.advice()}, or call it outside "
+                f"autograph.")
+
+    def advice(self) -> str:
+        """What to change for the calls to be graphed."""
+        if self.died_unused:
+            return ("Pass the same object on every call, updated in place (for a KV cache, one "
+                    "StaticCache, reset between sequences), to have it graphed")
+        return ("Give that argument a fixed size (pad it; for a KV cache use a fixed-size one "
+                "such as transformers' StaticCache) to have it graphed")
 
     def reset(self) -> None:
-        self.left = self.length = self.streak = self.replays_seen = 0
+        self.left = self.length = self.streak = self.died_unused = self.replays_seen = 0
         self.passed = self.looks = 0
         self.last_parts, self.last_change = (), None
 

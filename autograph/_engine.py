@@ -214,13 +214,7 @@ class Engine:
         if not churn.new_key(cache.entries.values(), life.parts) or "churn" in cache.said:
             return
         cache.said.add("churn")
-        what = churn.last_change or f"the key became {life.label}"
-        warn_user(f"{cache.name}: {churn.streak} new keys, and no graph replayed since the "
-                  f"first of them (a key is captured once it repeats). From one "
-                  f"key to the next: {what}. Its calls now run as plain calls, unkeyed and "
-                  f"unwatched, looking again now and then (report() has a row). Give that "
-                  f"argument a fixed size (pad it; for a KV cache use a fixed-size one such "
-                  f"as transformers' StaticCache), or call it outside autograph.")
+        warn_user(churn.warning(life.label))
 
     def new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
                  options: Options) -> KeyLife:

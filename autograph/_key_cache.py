@@ -136,7 +136,11 @@ class KeyCache:
         if self.dead_keys:
             self.routes.clear()
         while self.dead_keys:
-            self._drop(self.dead_keys.pop())
+            key = self.dead_keys.pop()
+            entry = self.entries.get(key)
+            if entry is not None and entry.replays == 0:
+                self.churn.key_died_unused()
+            self._drop(key)
 
     def stats(self, islands: bool = True) -> List[KeyStats]:
         """A row per key, each followed by its island's rows (``islands``)."""

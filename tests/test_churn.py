@@ -95,3 +95,31 @@ def test_reset_forgets_everything():
     cache.churn.reset()
     assert cache.churn.left == 0 and cache.churn.stats() is None
     assert cache.churn.last_change is None and cache.churn.streak == 0
+
+
+def test_keys_that_die_before_they_repeat_pass_through_after_two():
+    # A new object per call (HF generate(cache_implementation="static") and its StaticCache):
+    # each key dies unused, so the window of 16 is not waited for.
+    cache = Cache(Churn("f", window=16, first=8))
+    assert not cache.new_key(1)
+    cache.churn.key_died_unused()
+    assert not cache.new_key(1)
+    cache.churn.key_died_unused()
+    assert cache.new_key(1)
+    assert cache.pass_calls(20) == 8
+    row = cache.churn.stats()
+    assert "2 of them died before they were called again" in row.fallback_reason
+    assert "Pass the same object on every call" in row.fallback_reason
+    assert "the same readable key" in cache.churn.warning("x: f32[2] cpu")
+
+
+def test_a_replay_between_dying_keys_keeps_calls_keyed():
+    # A request-scoped cache: its prefill's key dies, but its decode step's graph replays.
+    cache = Cache(Churn("f", window=16))
+    decode = SimpleNamespace(replays=0, graph=object())
+    cache.entries.append(decode)
+    for n in range(10):
+        decode.replays += 5
+        cache.churn.key_died_unused()
+        assert not cache.new_key(n)
+    assert cache.churn.left == 0 and cache.churn.stats() is None

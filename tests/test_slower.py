@@ -6,6 +6,7 @@ import torch
 
 import autograph
 from autograph.testing import emulate_graphs_on_cpu
+from conftest import autograph_warnings, requires_cuda
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,3 +64,52 @@ def test_generate_with_a_static_cache_captures_once_and_replays_in_later_calls()
     assert runs[0][1].captures == 1
     for _, later in runs[1:]:
         assert later.captures == 0 and later.replays >= 14, later
+
+
+def test_a_new_cache_object_per_call_passes_through_after_three_calls(caught):
+    # What a region sees of generate(cache_implementation="static") on CUDA, where transformers
+    # compiles the decode step itself: one prefill call per generate(), with a StaticCache
+    # built anew. Each call's key dies with its cache, so waiting for 16 new keys, each
+    # watched op by op, would cost about ten eager calls per call.
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (1, 8))
+
+    def prefill():
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+
+    with torch.inference_mode():
+        expected = prefill()
+        regions = []
+        for _ in range(6):
+            with emulate_graphs_on_cpu(), autograph.region() as region:
+                torch.testing.assert_close(prefill(), expected)
+            regions.append(region.stats())
+    assert [r.passed_through for r in regions] == [0, 0, 0, 1, 1, 1]
+    assert [len(r.keys) for r in regions[:3]] == [1, 1, 1]  # keyed and watched, then not
+    row, = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
+    assert "died before they were called again" in row.fallback_reason
+    messages = [m for m in autograph_warnings(caught) if "no graph replayed" in m]
+    assert len(messages) == 1 and "a new object on each call" in messages[0]
+    assert "Pass the same object on every call" in messages[0]
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_generate_with_cache_implementation_static_on_cuda_passes_through(caught):
+    # transformers compiles the decode step (its own CUDA graphs) from the second call on; the
+    # region must add no more than a few watched prefills, and never change a token.
+    model = tiny_llama().cuda()
+    ids = torch.randint(0, 256, (1, 8), device="cuda")
+    with torch.inference_mode():
+        runs = []
+        for _ in range(5):
+            expected = model.generate(ids, max_new_tokens=16, do_sample=False,
+                                      cache_implementation="static")
+            with autograph.region() as region:
+                got = model.generate(ids, max_new_tokens=16, do_sample=False,
+                                     cache_implementation="static")
+            assert torch.equal(got, expected)
+            runs.append(region.stats())
+    assert all(r.captures == 0 for r in runs[3:]), runs
+    assert runs[-1].passed_through >= 1 and runs[-1].keys == [], runs[-1]
