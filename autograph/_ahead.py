@@ -94,8 +94,9 @@ def _capture_key(life: KeyLife, c: Call) -> None:
             undo.restore()
         state = PythonState.of(roots, life.function.fn)
         graph = life.agreed_record(c)
-        changes = state.changes()  # made by the capture's run: by every call
-        made = before.changes()  # made by the warmups and the capture, taken back below
+        # Made by the capture's run (so by every call), and by the warmups and the capture
+        # (taken back below).
+        changes, made = state.changes_with(before)
     finally:
         before.restore()
     if graph is None:

@@ -30,9 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import dis
-import functools
 import linecache
-import operator
 import os
 import re
 import sys
@@ -46,9 +44,9 @@ from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
 from ._modes import CompiledCodeRunsUnder
-from ._reads import tensors_in
+from ._unsafe_ops import (CPU_CONSEQUENCE, CPU_OPERATION, TRAITS, composite_keys, traits_of,
+                          unsafe_op)
 
-_aten = torch.ops.aten
 _SKIPPED_DIRS = (
     os.path.dirname(torch.__file__) + os.sep,
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
@@ -121,31 +119,6 @@ def _host_read_name(source: str) -> str:
     return _UNNAMED_READ
 
 
-_DATA_DEPENDENT_NAMES = {
-    "nonzero": "torch.nonzero (or one-argument torch.where)",
-    "argwhere": "torch.argwhere",
-    "masked_select": "torch.masked_select",
-    "index": "boolean-mask indexing",
-    "index_put": "boolean-mask assignment",
-    "_unique2": "torch.unique",
-    "unique_dim": "torch.unique",
-    "unique_consecutive": "torch.unique_consecutive",
-    "repeat_interleave": "torch.repeat_interleave without output_size",
-}
-# A graph replays GPU work only: CPU results, and CPU values passed to GPU kernels, are
-# frozen at capture. Making a constant (torch.tensor([...])) is not computing.
-_CPU_CONSTANT_OPS = (_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy, _aten.detach,
-                     _aten.clone, _aten.empty_like, _aten.zeros_like, _aten.ones_like)
-_CPU_OPERATION = "computing with a CPU tensor"
-_CPU_CONSEQUENCE = ("runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes "
-                    "at capture")
-
-# Indexing is capturable with integer indices; a boolean mask becomes nonzero() inside.
-_INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
-              "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
-_SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
-
-
 def optimizer_running(frame: Optional[FrameType]) -> Optional[torch.optim.Optimizer]:
     """The ``torch.optim`` optimizer whose ``step()`` made the op at ``frame``, if any.
 
@@ -175,92 +148,18 @@ def _optimizer_words(optimizer: torch.optim.Optimizer) -> Tuple[str, str]:
         return _not_capturable(name), (
             "keeps its step count on the CPU, which a graph freezes at capture: create it "
             f"with {name}(..., capturable=True)")
-    return f"{name}.step()", _CPU_CONSEQUENCE
+    return f"{name}.step()", CPU_CONSEQUENCE
 
 
 def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
     location, source = location_of_caller(frame)
     if operation == "host read":
         operation = _host_read_name(source)
-    elif operation == _CPU_OPERATION:
+    elif operation == CPU_OPERATION:
         optimizer = optimizer_running(frame)
         if optimizer is not None:
             operation, consequence = _optimizer_words(optimizer)
     return Finding(operation, consequence, location, source)
-
-
-def is_view(func: Any) -> bool:
-    """Whether an ATen op returns an alias of an input (``OpOverload.is_view`` is newer)."""
-    return any(r.alias_info is not None and not r.alias_info.is_write
-               for r in func._schema.returns)
-
-
-def _unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
-               ) -> Optional[Tuple[str, str]]:
-    """(operation, consequence) when ``func`` cannot be captured on ``device_type``."""
-    tags = func.tags
-    on_device = any(t.device.type == device_type for t in tensors_in(args))
-    if torch.Tag.data_dependent_output in tags and on_device:
-        return "host read", _SYNC_CONSEQUENCE
-    packet = func.overloadpacket
-    if packet in (_aten._to_copy, _aten.copy_, _aten._copy_from):
-        if packet is _aten._to_copy:
-            src, dst_type = args[0], torch.device(kwargs.get("device") or args[0].device).type
-        else:
-            src, dst_type = args[1] if packet is _aten.copy_ else args[0], args[0].device.type
-            if packet is _aten._copy_from:
-                dst_type = args[1].device.type
-        if src.device.type == device_type and dst_type == "cpu" != device_type:
-            return (".cpu() / .tolist() / .to('cpu')",
-                    "copies GPU data to the host, which synchronises")
-        if (src.device.type == "cpu" and dst_type == device_type != "cpu"
-                and src.numel() > 0 and not src.is_pinned()):
-            return ("a copy from pageable host memory to the GPU",
-                    "cannot be captured: create the tensor on the GPU or pin it")
-        return None
-    if device_type != "cpu" and not is_view(func) and packet not in _CPU_CONSTANT_OPS and any(
-            t.device.type == "cpu" for t in tensors_in(args)):
-        return _CPU_OPERATION, _CPU_CONSEQUENCE
-    name = packet.__name__
-    if name in _INDEX_OPS and on_device:
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
-            return _DATA_DEPENDENT_NAMES[_INDEX_OPS[name]], _SHAPE_CONSEQUENCE
-        return None
-    if torch.Tag.dynamic_output_shape in tags and on_device:
-        if name == "repeat_interleave" and kwargs.get("output_size") is not None:
-            return None
-        return _DATA_DEPENDENT_NAMES.get(name, f"torch.{name}"), _SHAPE_CONSEQUENCE
-    return None
-
-
-# Op names whose CUDA kernels may come from cuDNN.
-_CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru")
-_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
-_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
-
-
-def _composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
-    """The dispatch keys to run a composite op's own kernel with, or None to run it whole.
-
-    >>> _composite_keys(torch.ops.aten.is_nonzero.default, (torch.ones(()),), {})
-    DispatchKeySet(CPU)
-
-    Autograd normally decomposes composite ops before any dispatch mode sees them; under
-    ``torch.inference_mode()`` (and for inference tensors) they reach the mode whole.
-    Tensor subclasses keep the whole op: their own ``__torch_dispatch__`` may handle it.
-    """
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE):
-        return None
-    keys = [torch._C._dispatch_keys(t) for t in tensors_in((*args, *kwargs.values()))]
-    if not keys or any(k.has(torch._C.DispatchKey.Python) for k in keys):
-        return None
-    below = functools.reduce(operator.or_, keys) & _BELOW_PYTHON
-    # An op with a kernel of its own for these tensors (silu_backward) is no composite here:
-    # run whole, it stays visible to the modes below this one (the CPU emulation's recorder).
-    if torch._C._dispatch_has_kernel_for_any_dispatch_key(func.name(), below):
-        return None
-    return below
 
 
 class UnsafeOpDetector(CompiledCodeRunsUnder):
@@ -289,7 +188,7 @@ class UnsafeOpDetector(CompiledCodeRunsUnder):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if not self.uses_cudnn and any(part in func.__name__ for part in _CUDNN_OPS):
+        if not self.uses_cudnn and (TRAITS.get(func) or traits_of(func)).cudnn:
             self.uses_cudnn = True
         generator = kwargs.get("generator")
         # An op sees a new Python object for the same generator at each draw: told apart by
@@ -297,13 +196,13 @@ class UnsafeOpDetector(CompiledCodeRunsUnder):
         if generator is not None and \
                 all(generator._cdata != g._cdata for g in self.generators):
             self.generators.append(generator)
-        keys = _composite_keys(func, args, kwargs)
+        keys = composite_keys(func, args, kwargs)
         if keys is not None:
             # Run the op as the dispatcher would below this mode, its parts seen by the mode:
             # bool(t) is aten.is_nonzero, whose part aten._local_scalar_dense reads the host.
             with self._watching_parts():
                 return func.redispatch(keys, *args, **kwargs)
-        unsafe = _unsafe_op(func, args, kwargs, self.device_type)
+        unsafe = unsafe_op(func, args, kwargs, self.device_type)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))
         return func(*args, **kwargs)

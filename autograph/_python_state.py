@@ -117,8 +117,11 @@ def _show(summary: Summary) -> str:
 def _ignored(value: Any) -> bool:
     """Values that are no state of a call's: functions and classes, modules, weak caches,
     loggers (a module's ``logger`` caches which levels are enabled as it is first asked)."""
-    return (isinstance(value, (types.ModuleType, logging.Logger, logging.Manager) + _WEAK)
+    return (isinstance(value, _IGNORED_TYPES)
             or (callable(value) and not isinstance(value, torch.nn.Module)))
+
+
+_IGNORED_TYPES = (types.ModuleType, logging.Logger, logging.Manager) + _WEAK
 
 
 def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
@@ -318,7 +321,19 @@ class PythonState:
         ['past_key_values.layers[1].cumulative_length_int: 10 -> 11',
          "optimizer.state[self.weight]: added (a dict)", 'self.history: length 2 -> 3']
         """
-        before, after = self._before, _Walk(self._roots, self._fn, self._depth, False)
+        return self._against(self._walk_now())
+
+    def changes_with(self, earlier: "PythonState") -> Tuple[List[str], List[str]]:
+        """``(self.changes(), earlier.changes())``, from one walk of the state now: ``earlier``
+        was taken of the same roots (a walk is most of what a capture's survey costs)."""
+        now = self._walk_now()
+        return self._against(now), earlier._against(now)
+
+    def _walk_now(self) -> _Walk:
+        return _Walk(self._roots, self._fn, self._depth, False)
+
+    def _against(self, after: _Walk) -> List[str]:
+        before = self._before
         found: List[str] = []
         for path, summary in after.summaries.items():
             old = before.summaries.get(path)

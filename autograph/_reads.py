@@ -61,18 +61,44 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[Tensor]:
     >>> written_tensors(torch.ops.aten.add_.Tensor, (x, y), {})
     [x]
     """
-    schema_arguments = func._schema.arguments
-    values = {argument.name: args[i] if i < len(args) else kwargs.get(argument.name)
-              for i, argument in enumerate(schema_arguments)}
-    names = [argument.name for argument in schema_arguments
-             if argument.alias_info is not None and argument.alias_info.is_write]
-    if func.overloadpacket in _UPDATES_RUNNING_STATS and values.get("training"):
-        names += ["running_mean", "running_var"]
+    written, training, stats = _WRITES.get(func) or _writes_of(func)
+    if training is not None and _argument(args, kwargs, training):
+        written += stats
+    if not written:
+        return []
+    return list(tensors_in(_argument(args, kwargs, place) for place in written))
+
+
+Place = Tuple[int, str]  # an argument's position in an op's schema, and its name
+
+
+def _argument(args: tuple, kwargs: dict, place: Place) -> Any:
+    position, name = place
+    return args[position] if position < len(args) else kwargs.get(name)
+
+
+# Per op, what its schema says it writes: (written, where ``training`` is or None, the running
+# stats written in training). Asked for every op of a watched run; an op's schema never
+# changes, so it is read once per op (a process-wide cache of facts, no state).
+_WRITES: Dict[Any, Tuple[Tuple[Place, ...], Optional[Place], Tuple[Place, ...]]] = {}
+
+
+def _writes_of(func: Any) -> Tuple[Tuple[Place, ...], Optional[Place], Tuple[Place, ...]]:
+    places = {argument.name: (i, argument.name)
+              for i, argument in enumerate(func._schema.arguments)}
+    written = [places[argument.name] for argument in func._schema.arguments
+               if argument.alias_info is not None and argument.alias_info.is_write]
+    training, stats = None, ()
+    if func.overloadpacket in _UPDATES_RUNNING_STATS:
+        training = places.get("training")
+        stats = tuple(places[name] for name in ("running_mean", "running_var") if name in places)
     if func.namespace == "c10d" and func._schema.name.endswith("_"):
         # torch.distributed's in-place collectives (allreduce_, allgather_, recv_...) write
         # their tensors, and their schemas do not say so.
-        names += [name for name in values if name == "tensors" or name.startswith("output")]
-    return list(tensors_in(values[name] for name in names))
+        written += [place for name, place in places.items()
+                    if name == "tensors" or name.startswith("output")]
+    facts = _WRITES[func] = (tuple(written), training, stats)
+    return facts
 
 
 class CallWatch(CompiledCodeRunsUnder):

@@ -135,12 +135,12 @@ def observe_free(fn):
 
 
 def test_pageable_copy_to_the_device_is_flagged():
-    from autograph._guard import _unsafe_op
+    from autograph._unsafe_ops import unsafe_op
     x = torch.ones(3)
     op = torch.ops.aten._to_copy.default
-    assert _unsafe_op(op, (x,), {"device": torch.device("cuda")}, "cuda")[0].startswith(
+    assert unsafe_op(op, (x,), {"device": torch.device("cuda")}, "cuda")[0].startswith(
         "a copy from pageable host memory")
-    assert _unsafe_op(op, (x,), {"dtype": torch.float16}, "cuda") is None
+    assert unsafe_op(op, (x,), {"dtype": torch.float16}, "cuda") is None
 
 
 @pytest.mark.parametrize("message, expected", [

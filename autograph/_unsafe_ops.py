@@ -1,0 +1,154 @@
+"""Which ATen ops a CUDA graph cannot capture, judged one op at a time (the guard's dispatch
+mode asks, ``_guard``), and the facts about an op that the judgement needs.
+
+>>> unsafe_op(torch.ops.aten.nonzero.default, (x,), {}, "cuda")
+('torch.nonzero (or one-argument torch.where)', 'returns a shape that depends on ...')
+
+An op's schema, tags and kernel registrations are read once per op (``traits_of``): a watched
+run asks for every op it makes, and reading them each time was most of the guard's own cost.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import torch
+
+from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
+from ._reads import tensors_in
+
+_aten = torch.ops.aten
+
+_DATA_DEPENDENT_NAMES = {
+    "nonzero": "torch.nonzero (or one-argument torch.where)",
+    "argwhere": "torch.argwhere",
+    "masked_select": "torch.masked_select",
+    "index": "boolean-mask indexing",
+    "index_put": "boolean-mask assignment",
+    "_unique2": "torch.unique",
+    "unique_dim": "torch.unique",
+    "unique_consecutive": "torch.unique_consecutive",
+    "repeat_interleave": "torch.repeat_interleave without output_size",
+}
+# A graph replays GPU work only: CPU results, and CPU values passed to GPU kernels, are
+# frozen at capture. Making a constant (torch.tensor([...])) is not computing.
+_CPU_CONSTANT_OPS = (_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy, _aten.detach,
+                     _aten.clone, _aten.empty_like, _aten.zeros_like, _aten.ones_like)
+CPU_OPERATION = "computing with a CPU tensor"
+CPU_CONSEQUENCE = ("runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes "
+                    "at capture")
+
+# Indexing is capturable with integer indices; a boolean mask becomes nonzero() inside.
+_INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
+              "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
+_SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
+
+
+
+def is_view(func: Any) -> bool:
+    """Whether an ATen op returns an alias of an input (``OpOverload.is_view`` is newer)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write
+               for r in func._schema.returns)
+
+
+# Op names whose CUDA kernels may come from cuDNN.
+_CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru")
+_COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+
+
+class _Traits(NamedTuple):
+    """What the guard asks of an op that its schema and registrations answer once."""
+
+    host_read: bool  # tagged data_dependent_output
+    copy: Any  # the overload packet of a copy between devices, or None
+    cpu_checked: bool  # whether a CPU tensor among its arguments is a CPU operation
+    index: Optional[str]  # its _INDEX_OPS entry
+    dynamic_shape: bool  # tagged dynamic_output_shape
+    name: str
+    cudnn: bool  # whose CUDA kernels may come from cuDNN
+    composite: bool  # with a CompositeImplicitAutograd kernel
+
+
+# Per op: asked for every op of a watched run or a capture; an op's schema, tags and
+# registrations do not change while it runs (a process-wide cache of facts, no state).
+TRAITS: Dict[Any, _Traits] = {}
+
+
+def traits_of(func: Any) -> _Traits:
+    packet, tags = func.overloadpacket, func.tags
+    name = packet.__name__
+    traits = TRAITS[func] = _Traits(
+        host_read=torch.Tag.data_dependent_output in tags,
+        copy=packet if packet in (_aten._to_copy, _aten.copy_, _aten._copy_from) else None,
+        cpu_checked=not is_view(func) and packet not in _CPU_CONSTANT_OPS,
+        index=_INDEX_OPS.get(name), dynamic_shape=torch.Tag.dynamic_output_shape in tags,
+        name=name, cudnn=any(part in func.__name__ for part in _CUDNN_OPS),
+        composite=torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE))
+    return traits
+
+
+def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
+               ) -> Optional[Tuple[str, str]]:
+    """(operation, consequence) when ``func`` cannot be captured on ``device_type``."""
+    traits = TRAITS.get(func) or traits_of(func)
+    on_device = (traits.host_read or traits.index is not None or traits.dynamic_shape) and \
+        any(t.device.type == device_type for t in tensors_in(args))
+    if traits.host_read and on_device:
+        return "host read", _SYNC_CONSEQUENCE
+    packet = traits.copy
+    if packet is not None:
+        if packet is _aten._to_copy:
+            src, dst_type = args[0], torch.device(kwargs.get("device") or args[0].device).type
+        else:
+            src, dst_type = args[1] if packet is _aten.copy_ else args[0], args[0].device.type
+            if packet is _aten._copy_from:
+                dst_type = args[1].device.type
+        if src.device.type == device_type and dst_type == "cpu" != device_type:
+            return (".cpu() / .tolist() / .to('cpu')",
+                    "copies GPU data to the host, which synchronises")
+        if (src.device.type == "cpu" and dst_type == device_type != "cpu"
+                and src.numel() > 0 and not src.is_pinned()):
+            return ("a copy from pageable host memory to the GPU",
+                    "cannot be captured: create the tensor on the GPU or pin it")
+        return None
+    if device_type != "cpu" and traits.cpu_checked and any(
+            t.device.type == "cpu" for t in tensors_in(args)):
+        return CPU_OPERATION, CPU_CONSEQUENCE
+    name = traits.name
+    if traits.index is not None and on_device:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return _DATA_DEPENDENT_NAMES[traits.index], _SHAPE_CONSEQUENCE
+        return None
+    if traits.dynamic_shape and on_device:
+        if name == "repeat_interleave" and kwargs.get("output_size") is not None:
+            return None
+        return _DATA_DEPENDENT_NAMES.get(name, f"torch.{name}"), _SHAPE_CONSEQUENCE
+    return None
+
+
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+
+
+def composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
+    """The dispatch keys to run a composite op's own kernel with, or None to run it whole.
+
+    >>> composite_keys(torch.ops.aten.is_nonzero.default, (torch.ones(()),), {})
+    DispatchKeySet(CPU)
+
+    Autograd normally decomposes composite ops before any dispatch mode sees them; under
+    ``torch.inference_mode()`` (and for inference tensors) they reach the mode whole.
+    Tensor subclasses keep the whole op: their own ``__torch_dispatch__`` may handle it.
+    """
+    if not (TRAITS.get(func) or traits_of(func)).composite:
+        return None
+    keys = [torch._C._dispatch_keys(t) for t in tensors_in((*args, *kwargs.values()))]
+    if not keys or any(k.has(torch._C.DispatchKey.Python) for k in keys):
+        return None
+    below = functools.reduce(operator.or_, keys) & _BELOW_PYTHON
+    # An op with a kernel of its own for these tensors (silu_backward) is no composite here:
+    # run whole, it stays visible to the modes below this one (the CPU emulation's recorder).
+    if torch._C._dispatch_has_kernel_for_any_dispatch_key(func.name(), below):
+        return None
+    return below
