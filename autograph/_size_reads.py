@@ -73,16 +73,35 @@ def numbers_passed(func: Any, args: tuple, kwargs: dict) -> List[Tuple[str, Any]
     >>> numbers_passed(torch.ops.aten.full.default, ((2,), 3), {})
     [('fill_value', 3)]
     """
-    if func.overloadpacket.__name__ in _LENGTH_OPS:
+    places = _NUMBER_PLACES.get(func)
+    if places is None:
+        places = _number_places(func)
+    if not places:
         return []
     on_device = any(isinstance(a, Tensor) and a.device.type != "cpu" for a in args)
     found = []
-    for i, argument in enumerate(func._schema.arguments):
-        value = args[i] if i < len(args) else kwargs.get(argument.name)
-        number = None if value is None else _number(value, _kind(argument), on_device)
+    for i, name, kind in places:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        number = None if value is None else _number(value, kind, on_device)
         if number is not None:
-            found.append((argument.name, number))
+            found.append((name, number))
     return found
+
+
+# Per op, the arguments that may carry a Python number: (position, name, kind). Asked for
+# every op of a watched run at a bucket's size; an op's schema is read once (a process-wide
+# cache of facts, no state).
+_NUMBER_PLACES: Dict[Any, Tuple[Tuple[int, str, str], ...]] = {}
+
+
+def _number_places(func: Any) -> Tuple[Tuple[int, str, str], ...]:
+    places: Tuple[Tuple[int, str, str], ...] = ()
+    if func.overloadpacket.__name__ not in _LENGTH_OPS:
+        places = tuple((i, argument.name, _kind(argument))
+                       for i, argument in enumerate(func._schema.arguments)
+                       if _kind(argument) in (*_NUMBER_KINDS, "TensorType"))
+    _NUMBER_PLACES[func] = places
+    return places
 
 
 class NumbersOf(CompiledCodeRunsUnder):
