@@ -60,10 +60,14 @@ _SEQUENCES = (list, tuple, collections.deque)
 Summary = Tuple[Any, ...]
 
 
+# Types are asked of ``type(value)``, not by ``isinstance``: an ``isinstance`` that fails asks
+# the object for its ``__class__``, through its own ``__getattribute__`` (a transformers config
+# answers in Python, and the survey met it at every module holding it: a third of a walk).
 def _is_atom(value: Any, depth: int = 3) -> bool:
-    if isinstance(value, _ATOMS):
+    cls = type(value)
+    if issubclass(cls, _ATOMS):
         return True
-    if isinstance(value, (tuple, frozenset)) and depth and len(value) <= 64:
+    if issubclass(cls, (tuple, frozenset)) and depth and len(value) <= 64:
         return all(_is_atom(v, depth - 1) for v in value)
     return False
 
@@ -71,11 +75,11 @@ def _is_atom(value: Any, depth: int = 3) -> bool:
 def _summary(value: Any) -> Summary:
     """What a slot holds, as far as it is compared: an atom by value, a tensor by presence,
     a sequence by type and length, anything else by type."""
-    if isinstance(value, Tensor):
+    if issubclass(type(value), Tensor):
         return ("tensor",)
     if _is_atom(value):
         return ("=", value)
-    if isinstance(value, _SEQUENCES):
+    if issubclass(type(value), _SEQUENCES):
         return ("sequence", type(value), len(value))
     return ("object", type(value))
 
@@ -117,8 +121,9 @@ def _show(summary: Summary) -> str:
 def _ignored(value: Any) -> bool:
     """Values that are no state of a call's: functions and classes, modules, weak caches,
     loggers (a module's ``logger`` caches which levels are enabled as it is first asked)."""
-    return (isinstance(value, _IGNORED_TYPES)
-            or (callable(value) and not isinstance(value, torch.nn.Module)))
+    cls = type(value)
+    return (issubclass(cls, _IGNORED_TYPES)
+            or (callable(value) and not issubclass(cls, torch.nn.Module)))
 
 
 _IGNORED_TYPES = (types.ModuleType, logging.Logger, logging.Manager) + _WEAK
@@ -134,7 +139,7 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
         if not names:
             return None
         attributes = {name: getattr(obj, name, _MISSING) for name in names}
-    internals = _MODULE_INTERNALS if isinstance(obj, torch.nn.Module) else ()
+    internals = _MODULE_INTERNALS if issubclass(type(obj), torch.nn.Module) else ()
     return {name: value for name, value in list(attributes.items())
             if value is not _MISSING and not name.startswith("__") and name not in internals
             and name not in _MODULE_MEMBERS and "hook" not in name and not _ignored(value)}
@@ -250,24 +255,25 @@ class _Walk:
         # The shortest path names it: self.weight, not optimizer.param_groups[0]['params'][0].
         if len(path) < len(self.names.get(id(obj), path + " ")):
             self.names[id(obj)] = path
-        if isinstance(obj, Tensor) or left <= 0 or _ignored(obj):
+        cls = type(obj)
+        if issubclass(cls, Tensor) or left <= 0 or _ignored(obj):
             return
         self._seen.add(id(obj))
-        if isinstance(obj, dict):
+        if issubclass(cls, dict):
             self._hold("dict", obj, None, dict(obj))
             for key, value in list(obj.items())[:_MAX_ITEMS]:
                 if not _ignored(value):
                     self._slot(path, path + self._key_label(key), value, left - 1)
             return
-        if isinstance(obj, _SEQUENCES):
-            if not isinstance(obj, tuple):
+        if issubclass(cls, _SEQUENCES):
+            if not issubclass(cls, tuple):
                 self._hold("sequence", obj, None, list(obj))
             for i, value in enumerate(list(obj)[:_MAX_ITEMS]):
                 if not _ignored(value):
                     self._slot(path, f"{path}[{i}]", value, left - 1)
             return
-        if isinstance(obj, (set, frozenset)):
-            if isinstance(obj, set):
+        if issubclass(cls, (set, frozenset)):
+            if issubclass(cls, set):
                 self._hold("set", obj, None, set(obj))
             self.summaries[path] += (frozenset(v for v in obj if _is_atom(v)),)
             return
@@ -275,7 +281,7 @@ class _Walk:
         if attributes is None:
             return
         self._hold("attributes", obj, None, attributes)
-        if isinstance(obj, torch.nn.Module):
+        if issubclass(cls, torch.nn.Module):
             # A module's parameters, buffers and submodules are its attributes, and a module
             # tree costs no depth: a deep model's leaves are as much state as its root's.
             for members in _MODULE_MEMBERS:
