@@ -13,10 +13,11 @@ a second size. Every run notes its output shapes in the family's ``BatchShapes``
 (``_batch_dims``), which decides the dims that follow the batch; a function whose outputs
 cannot be sliced back is refused and runs eagerly, as called, from then on.
 
-A graph's first replay with pad rows is replayed once more with other pad rows
-(``_row_mixing``): if its real rows change, the function mixes rows (a mean over the batch),
-its effects are taken back, and the key runs eagerly. Until that replay, calls with pad rows
-do not replay (``KeyLife.serve`` checks ``graph.outputs.follows``). A Python number the function
+A graph's first replay at each row count with pad rows is replayed once more with other pad
+rows (``_row_mixing``): if its real rows change, the function mixes rows (a mean over the
+batch), its effects are taken back, and the key runs eagerly; a key without per-bucket state
+also has that replay checked against an eager run of the call's own rows. Until then, calls
+with pad rows at that count do not replay (``KeyLife.serve`` checks ``graph.rows_checked``). A Python number the function
 computes from the size (``x * x.shape[0]``) changes no pad row: runs at two sizes note their
 ops' numbers (``_size_reads``), and one that differs makes the key eager. Under ``verify=n``
 the capture call's result is checked against an eager run as well.
@@ -143,13 +144,18 @@ def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
     if padding is not None and not _note_capture(life, graph, padding):
         return life.run_eagerly(c), False
     if padding is not None and (life.options.replays_to_verify or _checked_once(padding)):
-        return _verified_capture(life, c, graph, copy_in=False)
-    return _replay_once(life, c, graph, copy_in=False)
+        outputs, kept = _verified_capture(life, c, graph, copy_in=False)
+    else:
+        outputs, kept = _replay_once(life, c, graph, copy_in=False)
+    if kept and padding is not None:
+        graph.rows_checked.add(padding.rows)
+    return outputs, kept
 
 
 def _checked_once(padding: Any) -> bool:
-    """Whether this replay with pad rows, a key's first, is checked against an eager run of
-    the call as given: for a key without per-bucket state, that run is the truth, and it
+    """Whether this replay with pad rows, the first at its row count, is checked against an
+    eager run of the call as given (once per row count: a value made from the size may agree
+    at one count and not at another): for a key without per-bucket state, that run is the truth, and it
     shows what neither the numbers its ops get nor the pad-row probe can (a tensor made from
     the size, ``torch.linspace(0, 1, x.shape[0])``, then reduced)."""
     return padding.rows != padding.bucket and not padding.stateful
@@ -232,9 +238,11 @@ def first_padded_replay(life: Any, c: Any) -> Any:
     if read is not None:
         refuse(life, read)
         return life.run_eagerly(c)
+    graph = life.graph
     outputs, kept = (_verified_capture if _checked_once(padding) else _replay_once)(
-        life, c, life.graph, True)
+        life, c, graph, True)
     if kept:
+        graph.rows_checked.add(padding.rows)
         c.note(life, "replays")
     return outputs
 

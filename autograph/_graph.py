@@ -11,7 +11,7 @@ freed one marks the graph invalid, so that the check before a replay is one attr
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -51,6 +51,9 @@ class Graph:
         self.watch: Optional[ReadWatch] = None
         self.slots: Optional[SlotWatch] = None  # where its reads by address live (_slots)
         self.generators: Optional[GeneratorSlots] = None  # where its generators live
+        # A bucket's row counts whose first replay with pad rows was probed, and checked
+        # against an eager run where it has no per-bucket state (``_bucket_runs``).
+        self.rows_checked: Set[int] = set()
 
     @classmethod
     def record(cls, request: CaptureRequest) -> "Graph":

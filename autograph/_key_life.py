@@ -159,8 +159,8 @@ class KeyLife:
         graph = self.graph
         if graph is None or self.checks_left or self.payoff \
                 or torch_profiler._is_profiler_enabled or not self._may_replay(graph, tensors) \
-                or padding is not None and graph.outputs.follows is None \
-                and padding.rows < padding.bucket:
+                or padding is not None and padding.rows < padding.bucket \
+                and padding.rows not in graph.rows_checked:
             return MISS
         self.replays += 1
         if region is not None:
@@ -178,7 +178,7 @@ class KeyLife:
         graph = self.graph
         if graph is not None and self._may_replay(graph, c.tensors):
             padding = c.padding  # a bucket's first call with pad rows: probed (_bucket_runs)
-            if padding and graph.outputs.follows is None and padding.rows < padding.bucket:
+            if padding and padding.rows < padding.bucket and padding.rows not in graph.rows_checked:
                 return first_padded_replay(self, c)
             return self._observed_replay(c)
         if graph is not None:

@@ -64,12 +64,11 @@ def _gated(x):
     return x * (torch.ones(x.shape[0], device=x.device).sum() > 2.5)
 
 
-# Defect: the check runs once per bucket, on the first call with pad rows; a value made from
-# the size that agrees there (3 rows in the graph of 4) and not at another size (2 rows) is
-# replayed with the bucket's value. The README says such values are "found by one more check".
-@pytest.mark.xfail(strict=True, reason="_bucket_runs._checked_once checks one padded size per "
-                   "bucket: a size-dependent value that agrees at that size slips through")
+# Was a defect: the check ran once per bucket, on the first call with pad rows, so a value made
+# from the size that agrees there (3 rows in the graph of 4) and not at another size (2 rows)
+# was replayed with the bucket's value.
 def test_a_size_dependent_value_that_agrees_at_the_first_padded_size(device):
+    # Each row count's first replay with pad rows is checked: 2 rows differ where 3 agreed.
     fn = autograph.graphed(_gated, buckets=[4])
     for n in (3, 3, 3, 2, 2):
         x = torch.ones(n, 5, device=device)
