@@ -17,8 +17,8 @@ calls are keyed again (a look); the first new key after a look passes through ag
 for twice as many calls (up to ``longest``); a look that meets known keys lets them warm up,
 capture and replay as usual, and the first replay seen at a new key ends the episode.
 
-A key whose identity-keyed object died before it replayed (``key_died_unused``) could never
-have replayed: its function is handed a new object per call (HF ``generate(cache_implementation=
+A key whose identity-keyed object died before it replayed (``key_died``) could never have
+replayed: its function is handed a new object per call (HF ``generate(cache_implementation=
 "static")`` builds a new StaticCache each time, and the prefill's key holds it). ``orphans``
 such keys in a row, with no replay between them, pass through at once: the window's wait, each
 new key watched op by op, would cost about ten eager calls per call for 16 calls.
@@ -92,10 +92,18 @@ class Churn:
         self.left = self.length
         return True
 
-    def key_died_unused(self) -> None:
-        """A key whose identity-keyed object died before the key replayed: counted towards
-        ``orphans`` (the next ``new_key`` decides)."""
-        self.died_unused += 1
+    def key_died(self, entry: Any) -> None:
+        """A key whose identity-keyed object died (``entry``: its ``calls``, ``replays`` and
+        ``recaptures``). One whose graph served replays paid, as a replay seen by ``new_key``
+        does: it leaves the cache before the next new key could see them (a request-scoped
+        cache and its decode step). One that was called and never replayed counts towards
+        ``orphans`` (the next ``new_key`` decides); one captured ahead and never called, or
+        whose only replays were its captures' own (a graph of a DynamicCache, invalid at its
+        next call), neither."""
+        if entry.replays > entry.recaptures + 1:
+            self.streak = self.died_unused = self.length = 0
+        elif entry.calls and not entry.replays:
+            self.died_unused += 1
 
     def calls_passed(self) -> int:
         return self.passed + self.length - max(self.left, 0)

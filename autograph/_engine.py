@@ -19,7 +19,7 @@ import inspect
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -284,22 +284,26 @@ class Engine:
             for reason, count in tally]
 
     def reset(self) -> None:
+        free(self.release())
+
+    def release(self) -> Set[int]:
+        """Drop every key and graph; return the devices to ``free`` (once, for many)."""
         with self.lock:
             self.eager_tally.clear()
-        self.free({device for cache in self.caches() for device in cache.release()})
+        return {device for cache in self.caches() for device in cache.release()}
 
-    @staticmethod
-    def free(devices: Any) -> None:
-        """Give the memory of released graphs back to these devices."""
-        if devices:
-            # A graph in a reference cycle holds its pool until the collector runs: one made
-            # by a traceback that keeps the frames of a call (torch stores some, for example
-            # on the first ``import torch._dynamo`` inside a call). Reset is rare and asked
-            # for its memory: collect first.
-            gc.collect()
-        for device in devices:
-            if device >= 0:
-                _devices.CUDA.free(device)
+
+def free(devices: Any) -> None:
+    """Give the memory of released graphs back to these devices."""
+    if devices:
+        # A graph in a reference cycle holds its pool until the collector runs: one made by a
+        # traceback that keeps the frames of a call (torch stores some, for example on the
+        # first ``import torch._dynamo`` inside a call). Reset is rare and asked for its
+        # memory: collect first, once for all the functions reset.
+        gc.collect()
+    for device in devices:
+        if device >= 0:
+            _devices.CUDA.free(device)
 
 
 _outside_dynamo_call: Optional[Callable[..., Any]] = None

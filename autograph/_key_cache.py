@@ -138,8 +138,8 @@ class KeyCache:
         while self.dead_keys:
             key = self.dead_keys.pop()
             entry = self.entries.get(key)
-            if entry is not None and entry.replays == 0:
-                self.churn.key_died_unused()
+            if entry is not None:
+                self.churn.key_died(entry)
             self._drop(key)
 
     def stats(self, islands: bool = True) -> List[KeyStats]:

@@ -60,11 +60,24 @@ _SEQUENCES = (list, tuple, collections.deque)
 Summary = Tuple[Any, ...]
 
 
-# Types are asked of ``type(value)``, not by ``isinstance``: an ``isinstance`` that fails asks
-# the object for its ``__class__``, through its own ``__getattribute__`` (a transformers config
-# answers in Python, and the survey met it at every module holding it: a third of a walk).
-def _is_atom(value: Any, depth: int = 3) -> bool:
+# Types are asked of ``_class_of(value)``, not by ``isinstance``: an ``isinstance`` that fails
+# asks the object for its ``__class__``, through its own ``__getattribute__`` (a transformers
+# config answers in Python, and the survey met it at every module holding it: a third of a
+# walk). Only a class that defines ``__class__`` itself (a proxy, ``wrapt.ObjectProxy``) is
+# asked, so that a proxied list is walked as the list it stands for.
+_CLASS_DEFINED: Dict[type, bool] = {}
+
+
+def _class_of(value: Any) -> type:
     cls = type(value)
+    defined = _CLASS_DEFINED.get(cls)
+    if defined is None:
+        defined = _CLASS_DEFINED[cls] = any("__class__" in vars(c) for c in cls.__mro__[:-1])
+    return value.__class__ if defined else cls
+
+
+def _is_atom(value: Any, depth: int = 3) -> bool:
+    cls = _class_of(value)
     if issubclass(cls, _ATOMS):
         return True
     if issubclass(cls, (tuple, frozenset)) and depth and len(value) <= 64:
@@ -75,11 +88,12 @@ def _is_atom(value: Any, depth: int = 3) -> bool:
 def _summary(value: Any) -> Summary:
     """What a slot holds, as far as it is compared: an atom by value, a tensor by presence,
     a sequence by type and length, anything else by type."""
-    if issubclass(type(value), Tensor):
+    cls = _class_of(value)
+    if issubclass(cls, Tensor):
         return ("tensor",)
     if _is_atom(value):
         return ("=", value)
-    if issubclass(type(value), _SEQUENCES):
+    if issubclass(cls, _SEQUENCES):
         return ("sequence", type(value), len(value))
     return ("object", type(value))
 
@@ -121,7 +135,7 @@ def _show(summary: Summary) -> str:
 def _ignored(value: Any) -> bool:
     """Values that are no state of a call's: functions and classes, modules, weak caches,
     loggers (a module's ``logger`` caches which levels are enabled as it is first asked)."""
-    cls = type(value)
+    cls = _class_of(value)
     return (issubclass(cls, _IGNORED_TYPES)
             or (callable(value) and not issubclass(cls, torch.nn.Module)))
 
@@ -139,7 +153,7 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
         if not names:
             return None
         attributes = {name: getattr(obj, name, _MISSING) for name in names}
-    internals = _MODULE_INTERNALS if issubclass(type(obj), torch.nn.Module) else ()
+    internals = _MODULE_INTERNALS if issubclass(_class_of(obj), torch.nn.Module) else ()
     return {name: value for name, value in list(attributes.items())
             if value is not _MISSING and not name.startswith("__") and name not in internals
             and name not in _MODULE_MEMBERS and "hook" not in name and not _ignored(value)}
@@ -255,7 +269,7 @@ class _Walk:
         # The shortest path names it: self.weight, not optimizer.param_groups[0]['params'][0].
         if len(path) < len(self.names.get(id(obj), path + " ")):
             self.names[id(obj)] = path
-        cls = type(obj)
+        cls = _class_of(obj)
         if issubclass(cls, Tensor) or left <= 0 or _ignored(obj):
             return
         self._seen.add(id(obj))

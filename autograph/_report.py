@@ -13,12 +13,12 @@ import atexit
 import shutil
 import sys
 from collections import Counter
-from typing import Any, List, Optional, TextIO
+from typing import Any, List, Optional, Set, TextIO
 
 import torch
 
 from . import _config, _stats
-from ._engine import Engine
+from ._engine import Engine, free
 from ._graphed import GraphedForward
 from ._region import Region, engine_of
 from ._stats import KeyStats
@@ -71,11 +71,10 @@ def reset(target: Any = None) -> None:
 
     Later calls start over, from warmup.
     """
+    devices: Set[int] = set()
     for owner in _engines_and_caches(target):
-        if isinstance(owner, Engine):
-            owner.reset()
-        else:
-            Engine.free(owner.release())
+        devices.update(owner.release())
+    free(devices)
 
 
 def report(target: Any = None, file: Optional[TextIO] = None) -> None:

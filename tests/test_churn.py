@@ -101,10 +101,11 @@ def test_keys_that_die_before_they_repeat_pass_through_after_two():
     # A new object per call (HF generate(cache_implementation="static") and its StaticCache):
     # each key dies unused, so the window of 16 is not waited for.
     cache = Cache(Churn("f", window=16, first=8))
+    died = SimpleNamespace(calls=1, replays=0, recaptures=0)
     assert not cache.new_key(1)
-    cache.churn.key_died_unused()
+    cache.churn.key_died(died)
     assert not cache.new_key(1)
-    cache.churn.key_died_unused()
+    cache.churn.key_died(died)
     assert cache.new_key(1)
     assert cache.pass_calls(20) == 8
     row = cache.churn.stats()
@@ -120,6 +121,25 @@ def test_a_replay_between_dying_keys_keeps_calls_keyed():
     cache.entries.append(decode)
     for n in range(10):
         decode.replays += 5
-        cache.churn.key_died_unused()
+        cache.churn.key_died(SimpleNamespace(calls=1, replays=0, recaptures=0))
         assert not cache.new_key(n)
     assert cache.churn.left == 0 and cache.churn.stats() is None
+
+
+def test_a_key_that_replayed_and_died_with_its_object_resets_the_count():
+    # Its replays leave the cache with it, before the next new key could see them.
+    cache = Cache(Churn("f", window=16))
+    for n in range(10):
+        cache.churn.key_died(SimpleNamespace(calls=1, replays=0, recaptures=0))  # a prefill
+        cache.churn.key_died(SimpleNamespace(calls=9, replays=8, recaptures=0))  # its decode
+        assert not cache.new_key(n)
+    assert cache.churn.died_unused == 0
+
+
+def test_keys_never_called_or_only_replayed_at_capture_do_not_count():
+    cache = Cache(Churn("f", window=16))
+    for n in range(5):
+        cache.churn.key_died(SimpleNamespace(calls=0, replays=0, recaptures=0))  # capture()d
+        cache.churn.key_died(SimpleNamespace(calls=3, replays=2, recaptures=1))  # recaptured
+        assert not cache.new_key(n)
+    assert cache.churn.died_unused == 0

@@ -258,12 +258,12 @@ def _serve(fn, device, requests, steps=8):
     return outputs, seen
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Churn.new_key (autograph/_churn.py) sums the replays of the cache's live entries: the "
-    "decode key replays, then dies with its request's cache and is dropped (KeyCache.forget_dead) "
-    "before the next new key, so its replays leave the sum and never reset the streak; the "
-    "prefill keys died unused, and after two of them (ORPHANS=2) calls pass through with a "
-    "warning that no graph replayed (before this session: after 8 requests, at WINDOW=16)"))
+# Was a defect (fixed in this session): Churn.new_key (autograph/_churn.py) sums the replays of
+# the cache's live entries: the  decode key replays, then dies with its request's cache and is
+# dropped (KeyCache.forget_dead)  before the next new key, so its replays leave the sum and never
+# reset the streak; the  prefill keys died unused, and after two of them (ORPHANS=2) calls pass
+# through with a  warning that no graph replayed (before this session: after 8 requests, at
+# WINDOW=16)
 def test_a_request_scoped_cache_whose_decode_step_replays_keeps_being_graphed(device, caught):
     fn = autograph.graphed(_forward)
     got, seen = _serve(fn, device, requests=6)
@@ -276,11 +276,11 @@ def test_a_request_scoped_cache_whose_decode_step_replays_keeps_being_graphed(de
     assert not [m for m in autograph_warnings(caught) if "no graph replayed" in m]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "as above, with each object living for a whole epoch and its one key replaying 9 times: "
-    "the dropped key's replays leave Churn.new_key's sum, so every epoch's key counts towards "
-    "WINDOW=16 as if nothing had replayed, and from the 16th epoch calls pass through; each "
-    "look meets a new object's key and passes through again (pre-existing, same cause)"))
+# Was a defect (fixed in this session): as above, with each object living for a whole epoch and
+# its one key replaying 9 times:  the dropped key's replays leave Churn.new_key's sum, so every
+# epoch's key counts towards  WINDOW=16 as if nothing had replayed, and from the 16th epoch calls
+# pass through; each  look meets a new object's key and passes through again (pre-existing, same
+# cause)
 def test_a_new_object_per_epoch_whose_key_replays_keeps_being_graphed(device, caught):
     fn = autograph.graphed(_forward)
     for epoch in range(20):
@@ -292,11 +292,10 @@ def test_a_new_object_per_epoch_whose_key_replays_keeps_being_graphed(device, ca
     assert not [m for m in autograph_warnings(caught) if "no graph replayed" in m]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keys captured ahead with a scratch object die unused when it is dropped: "
-    "KeyCache.forget_dead (autograph/_key_cache.py) counts each as key_died_unused, and the "
-    "first call with the object the user keeps passes through at once (ORPHANS=2), warning "
-    "'an argument is a new object on each call', which is untrue"))
+# Was a defect (fixed in this session): keys captured ahead with a scratch object die unused when
+# it is dropped:  KeyCache.forget_dead (autograph/_key_cache.py) counts each as key_died_unused,
+# and the  first call with the object the user keeps passes through at once (ORPHANS=2), warning
+# 'an argument is a new object on each call', which is untrue
 def test_keys_captured_ahead_with_a_scratch_object_do_not_send_later_calls_through(device, caught):
     fn = autograph.graphed(_forward)
     scratch = _RequestCache(device)
@@ -336,12 +335,12 @@ def test_calls_passed_through_for_new_objects_are_graphed_again_once_one_object_
     assert rows[1][0] == "graphed" and rows[1][3] > 20, rows
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "without torch.compile (the CPU, or a CUDA run where transformers does not compile the "
-    "decode step) generate(cache_implementation='static') graphs its decode step and replays "
-    "it 14 times per call; the new StaticCache per call makes the prefill key die unused, the "
-    "decode key's replays leave Churn.new_key's sum when it dies, and from the third "
-    "generate() every call passes through (0 replays; before this session: from the eighth)"))
+# Was a defect (fixed in this session): without torch.compile (the CPU, or a CUDA run where
+# transformers does not compile the  decode step) generate(cache_implementation='static') graphs
+# its decode step and replays  it 14 times per call; the new StaticCache per call makes the
+# prefill key die unused, the  decode key's replays leave Churn.new_key's sum when it dies, and
+# from the third  generate() every call passes through (0 replays; before this session: from the
+# eighth)
 def test_generate_with_a_static_cache_keeps_replaying_its_decode_step_on_the_emulation():
     transformers = pytest.importorskip("transformers")
     from test_slower import generate_in_a_region, tiny_llama
@@ -359,11 +358,10 @@ def test_generate_with_a_static_cache_keeps_replaying_its_decode_step_on_the_emu
     assert all(r.replays >= 14 for _, r in runs), [r for _, r in runs]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Engine.free (autograph/_engine.py) runs gc.collect() whenever its devices are not empty, "
-    "and autograph.reset() calls it once per graphed function (_report.reset): 20 modules "
-    "graphed in a region made 20 full collections, 3.5 s with transformers imported (50 "
-    "functions: 7.5 s); one collection before all the frees would do"))
+# Was a defect (fixed in this session): Engine.free (autograph/_engine.py) runs gc.collect()
+# whenever its devices are not empty,  and autograph.reset() calls it once per graphed function
+# (_report.reset): 20 modules  graphed in a region made 20 full collections, 3.5 s with
+# transformers imported (50  functions: 7.5 s); one collection before all the frees would do
 def test_reset_collects_garbage_once_for_all_functions(device, monkeypatch):
     functions = [autograph.graphed(lambda x, i=i: x + i) for i in range(5)]
     for fn in functions:
@@ -413,12 +411,11 @@ def _count_in_proxy(device, kind, graph):
     return read(module.state), outputs, fn
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_python_state._Walk._slot and _summary ask issubclass(type(obj), ...) (66716c9): a "
-    "wrapt.ObjectProxy's type is ObjectProxy, so a proxied list, dict, deque, set or number "
-    "is summarised as an opaque object and its change goes unseen; the key is graphed and "
-    "replays skip the Python update (before 66716c9 the key ran eagerly: 'M.state: length 1 "
-    "-> 2')"))
+# Was a defect (fixed in this session): _python_state._Walk._slot and _summary ask
+# issubclass(type(obj), ...) (66716c9): a  wrapt.ObjectProxy's type is ObjectProxy, so a proxied
+# list, dict, deque, set or number  is summarised as an opaque object and its change goes unseen;
+# the key is graphed and  replays skip the Python update (before 66716c9 the key ran eagerly:
+# 'M.state: length 1  -> 2')
 @pytest.mark.parametrize("kind", sorted(PROXIED_STATE))
 def test_state_changed_inside_a_wrapt_proxy_is_seen(device, kind):
     got, got_outputs, fn = _count_in_proxy(device, kind, graph=True)
