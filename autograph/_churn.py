@@ -77,7 +77,7 @@ class Churn:
         replays = sum(e.replays for e in entries if e.graph is not None)
         if replays != self.replays_seen:  # a graph replayed since the last new key: it pays
             self.replays_seen = replays
-            self.streak, self.died_unused, self.length = 0, 0, 0
+            self._paid()
         self.streak += 1
         change = _what_changed(self.last_parts, parts)
         self.last_parts = parts
@@ -101,9 +101,15 @@ class Churn:
         whose only replays were its captures' own (a graph of a DynamicCache, invalid at its
         next call), neither."""
         if entry.replays > entry.recaptures + 1:
-            self.streak = self.died_unused = self.length = 0
+            self._paid()
         elif entry.calls and not entry.replays:
             self.died_unused += 1
+
+    def _paid(self) -> None:
+        """A graph replayed: the count starts over, and a pass-through episode ends (its calls
+        kept for the report)."""
+        self.passed += self.length - max(self.left, 0)
+        self.streak = self.died_unused = self.length = 0
 
     def calls_passed(self) -> int:
         return self.passed + self.length - max(self.left, 0)
@@ -111,7 +117,14 @@ class Churn:
     def stats(self) -> Optional[KeyStats]:
         """The cache's pass-through row for ``report()``, or None if it never passed."""
         if not self.length:
-            return None
+            if not self.passed:
+                return None
+            return KeyStats(
+                function=self.function, key="calls passed through (keys churn)", state="eager",
+                calls=self.passed, eager_calls=self.passed, replays=0, capture_seconds=None,
+                graph_bytes=0, fallback_reason=(
+                    f"calls ran as plain calls while its keys churned; that ended when a graph "
+                    f"replayed ({self.looks} look(s) before)"))
         passed = self.calls_passed()
         now = (f"passing through, next look in {self.left} calls" if self.left > 0 else
                f"keying again since a look (the next new key passes through "

@@ -143,3 +143,13 @@ def test_keys_never_called_or_only_replayed_at_capture_do_not_count():
         cache.churn.key_died(SimpleNamespace(calls=3, replays=2, recaptures=1))  # recaptured
         assert not cache.new_key(n)
     assert cache.churn.died_unused == 0
+
+
+def test_the_row_stays_with_its_count_once_a_replay_ends_the_episode():
+    cache = Cache(Churn("f", window=2, first=4))
+    cache.new_key(0), cache.new_key(1)
+    assert cache.pass_calls(10) == 4
+    cache.entries.append(SimpleNamespace(replays=3, graph=object()))  # a graph replays
+    assert not cache.new_key(2)  # the look's new key: the episode is over
+    row = cache.churn.stats()
+    assert row.calls == 4 and "ended when a graph replayed" in row.fallback_reason
