@@ -93,14 +93,14 @@ class Churn:
         return True
 
     def key_died(self, entry: Any) -> None:
-        """A key whose identity-keyed object died (``entry``: its ``calls``, ``replays`` and
-        ``recaptures``). One whose graph served replays paid, as a replay seen by ``new_key``
-        does: it leaves the cache before the next new key could see them (a request-scoped
-        cache and its decode step). One that was called and never replayed counts towards
-        ``orphans`` (the next ``new_key`` decides); one captured ahead and never called, or
-        whose only replays were its captures' own (a graph of a DynamicCache, invalid at its
-        next call), neither."""
-        if entry.replays > entry.recaptures + 1:
+        """A key whose identity-keyed object died (``entry``: its ``graph``, ``calls`` and
+        ``replays``). One with a graph that replayed paid, as ``new_key`` counts replays: its
+        replays leave the cache with it, before the next new key could see them (a
+        request-scoped cache and its decode step; a graph captured ahead). One that was called
+        and never replayed counts towards ``orphans`` (the next ``new_key`` decides); one
+        captured ahead and never called, or gone eager (a DynamicCache's graph, invalid at its
+        next call, then recaptured until it ran eagerly), neither."""
+        if entry.graph is not None and entry.replays:
             self._paid()
         elif entry.calls and not entry.replays:
             self.died_unused += 1

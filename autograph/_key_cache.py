@@ -154,7 +154,9 @@ class KeyCache:
     def release(self) -> List[int]:
         """Drop every key and graph; return the devices whose graphs were freed."""
         with self.lock:
-            devices = {e.device for e in self.entries.values() if e.graph is not None}
+            # Every key's device, graphed or not: a graph released before (a key gone eager)
+            # may still hold its pool, from a reference cycle that ``free`` collects.
+            devices = {e.device for e in self.entries.values()}
             for entry in self.entries.values():
                 if entry.graph is not None:
                     entry.graph.release()

@@ -39,6 +39,21 @@ class Refusal(Finding):
         return self.consequence
 
 
+def _refuse_if_padded(padding: Any, capture: Capture) -> None:
+    """Raise ``CaptureFailed`` if the capture's run of the function raised on padded arguments
+    where the call as given ran (its warmup): a guess of which arguments are batched (a weight
+    whose dim 0 equals the rows by chance), not the caller's error. Nothing of the capture
+    runs; the call runs eagerly, as called."""
+    if padding is None or padding.stateful or padding.rows == padding.bucket:
+        return
+    error, capture.graph = capture.error, None  # the graph dropped now, as ``record`` does
+    raise refused(
+        f"it raised when run on its arguments padded from {padding.rows} to {padding.bucket} "
+        f"rows ({type(error).__name__}: {error}), and ran as called: an argument whose dim 0 "
+        f"equals the rows by chance is padded too. Name the batched arguments with "
+        f"bucket_args=")
+
+
 class CaptureFailed(Exception):
     """The key cannot be graphed; ``finding`` says why and where."""
 
@@ -141,6 +156,7 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
                 f"resize_()), and a graph's inputs keep their size and address. Pass a tensor "
                 f"of the output's size")
         if capture.error is not None:  # the function's own: run what it did before, raise it
+            _refuse_if_padded(request.padding, capture)
             error = capture.error
             with torch.no_grad():
                 capture.graph.replay()

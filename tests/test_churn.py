@@ -101,7 +101,7 @@ def test_keys_that_die_before_they_repeat_pass_through_after_two():
     # A new object per call (HF generate(cache_implementation="static") and its StaticCache):
     # each key dies unused, so the window of 16 is not waited for.
     cache = Cache(Churn("f", window=16, first=8))
-    died = SimpleNamespace(calls=1, replays=0, recaptures=0)
+    died = SimpleNamespace(graph=None, calls=1, replays=0)
     assert not cache.new_key(1)
     cache.churn.key_died(died)
     assert not cache.new_key(1)
@@ -121,7 +121,7 @@ def test_a_replay_between_dying_keys_keeps_calls_keyed():
     cache.entries.append(decode)
     for n in range(10):
         decode.replays += 5
-        cache.churn.key_died(SimpleNamespace(calls=1, replays=0, recaptures=0))
+        cache.churn.key_died(SimpleNamespace(graph=None, calls=1, replays=0))
         assert not cache.new_key(n)
     assert cache.churn.left == 0 and cache.churn.stats() is None
 
@@ -130,17 +130,17 @@ def test_a_key_that_replayed_and_died_with_its_object_resets_the_count():
     # Its replays leave the cache with it, before the next new key could see them.
     cache = Cache(Churn("f", window=16))
     for n in range(10):
-        cache.churn.key_died(SimpleNamespace(calls=1, replays=0, recaptures=0))  # a prefill
-        cache.churn.key_died(SimpleNamespace(calls=9, replays=8, recaptures=0))  # its decode
+        cache.churn.key_died(SimpleNamespace(graph=None, calls=1, replays=0))  # a prefill
+        cache.churn.key_died(SimpleNamespace(graph=object(), calls=9, replays=8))  # its decode
         assert not cache.new_key(n)
     assert cache.churn.died_unused == 0
 
 
-def test_keys_never_called_or_only_replayed_at_capture_do_not_count():
+def test_keys_never_called_or_gone_eager_after_recaptures_do_not_count():
     cache = Cache(Churn("f", window=16))
     for n in range(5):
-        cache.churn.key_died(SimpleNamespace(calls=0, replays=0, recaptures=0))  # capture()d
-        cache.churn.key_died(SimpleNamespace(calls=3, replays=2, recaptures=1))  # recaptured
+        cache.churn.key_died(SimpleNamespace(graph=object(), calls=0, replays=0))  # capture()d
+        cache.churn.key_died(SimpleNamespace(graph=None, calls=3, replays=2))  # recaptured, then eager
         assert not cache.new_key(n)
     assert cache.churn.died_unused == 0
 
