@@ -2,13 +2,14 @@
 replay with pad rows against an eager run of its own rows, private generators reached as
 attributes (``_slots.GeneratorSlots``), the emulation's refusal of unknown generators. Each test
 compares with eager and asserts the graph state; strict xfails are open defects."""
+import copy
 import dataclasses
 
 import pytest
 import torch
 
 import autograph
-from conftest import states
+from conftest import requires_cuda, states
 
 pytestmark = pytest.mark.usefixtures("caught")
 
@@ -219,3 +220,22 @@ def test_verify_with_a_generator_as_a_default_value(device):
     assert torch.equal(got_state, generator.get_state())
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_bf16_mlp_stays_graphed_at_every_row_count_of_a_large_bucket():
+    # The padded check runs at each row count's first replay: cuBLAS may pick other kernels
+    # for other row counts, and a correct bf16 function must not be sent eager by that.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                torch.nn.Linear(2048, 512)).cuda().bfloat16()
+    reference = copy.deepcopy(model)
+    graphed = autograph.graphed(model, buckets=[64], check_payoff=False)
+    with torch.no_grad():
+        for n in [64, 64, *range(33, 64), 40, 50]:
+            x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(graphed(x), reference(x), rtol=2e-2, atol=2e-2)
+    (state, calls, eager_calls, replays), = states(graphed)
+    assert (state, calls) == ("graphed", 35), autograph.stats(graphed)[0].fallback_reason
+    assert replays >= 33
