@@ -43,7 +43,7 @@ def test_a_row_wise_random_function_under_buckets_stays_graphed(emulated, width)
 # generator "draws what eager calls would and advances it as they do"). Emulation only here:
 # on CUDA the Philox offset a draw takes is the same for 3 and 4 rows of a small tensor.
 @pytest.mark.xfail(strict=True, reason="a bucketed graph draws for the bucket's rows: the "
-                   "generator ends as a run of the bucket leaves it (not documented)")
+                   "generator ends as a run of the bucket leaves it (README, Serving: a known limit)")
 def test_a_bucketed_random_function_leaves_the_generator_as_eager_does(emulated):
     xs = [torch.zeros(3, 64) for _ in range(5)]
     fn = autograph.graphed(_noisy, buckets=[4, 8])
