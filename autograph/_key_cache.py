@@ -152,7 +152,7 @@ class KeyCache:
                 [] if passed is None else [passed])
 
     def release(self) -> List[int]:
-        """Drop every key and graph; return the devices whose graphs were freed."""
+        """Drop every key and graph; return the devices of its keys (for ``_engine.free``)."""
         with self.lock:
             # Every key's device, graphed or not: a graph released before (a key gone eager)
             # may still hold its pool, from a reference cycle that ``free`` collects.
