@@ -17,10 +17,11 @@ A graph's first replay at each row count with pad rows is replayed once more wit
 rows (``_row_mixing``): if its real rows change, the function mixes rows (a mean over the
 batch), its effects are taken back, and the key runs eagerly; a key without per-bucket state
 also has that replay checked against an eager run of the call's own rows. Until then, calls
-with pad rows at that count do not replay (``KeyLife.serve`` checks ``graph.rows_checked``). A Python number the function
-computes from the size (``x * x.shape[0]``) changes no pad row: runs at two sizes note their
-ops' numbers (``_size_reads``), and one that differs makes the key eager. Under ``verify=n``
-the capture call's result is checked against an eager run as well.
+with pad rows at that count do not replay (``KeyLife.serve`` checks ``graph.rows_checked``).
+A Python number the function computes from the size (``x * x.shape[0]``) changes no pad row:
+runs at two sizes note their ops' numbers (``_size_reads``), and one that differs makes the
+key eager. Under ``verify=n`` the capture call's result is checked against an eager run as
+well.
 """
 from __future__ import annotations
 
@@ -155,9 +156,9 @@ def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
 def _checked_once(padding: Any) -> bool:
     """Whether this replay with pad rows, the first at its row count, is checked against an
     eager run of the call as given (once per row count: a value made from the size may agree
-    at one count and not at another): for a key without per-bucket state, that run is the truth, and it
-    shows what neither the numbers its ops get nor the pad-row probe can (a tensor made from
-    the size, ``torch.linspace(0, 1, x.shape[0])``, then reduced)."""
+    at one count and not at another): for a key without per-bucket state, that run is the
+    truth, and it shows what neither the numbers its ops get nor the pad-row probe can (a
+    tensor made from the size, ``torch.linspace(0, 1, x.shape[0])``, then reduced)."""
     return padding.rows != padding.bucket and not padding.stateful
 
 

@@ -140,7 +140,8 @@ def test_keys_never_called_or_gone_eager_after_recaptures_do_not_count():
     cache = Cache(Churn("f", window=16))
     for n in range(5):
         cache.churn.key_died(SimpleNamespace(graph=object(), calls=0, replays=0))  # capture()d
-        cache.churn.key_died(SimpleNamespace(graph=None, calls=3, replays=2))  # recaptured, then eager
+        # recaptured, then eager
+        cache.churn.key_died(SimpleNamespace(graph=None, calls=3, replays=2))
         assert not cache.new_key(n)
     assert cache.churn.died_unused == 0
 
