@@ -85,7 +85,7 @@ class Churn:
             self.last_change = change
         if self.streak < self.window and self.died_unused < self.orphans:
             return False
-        self.passed += self.length - max(self.left, 0)
+        self.passed = self.calls_passed()
         if self.length:
             self.looks += 1
         self.length = self.first if not self.length else min(2 * self.length, self.longest)
@@ -107,8 +107,9 @@ class Churn:
 
     def _paid(self) -> None:
         """A graph replayed: the count starts over, and a pass-through episode ends (its calls
-        kept for the report)."""
-        self.passed += self.length - max(self.left, 0)
+        kept for the report), at once if it was still passing calls through (a key that
+        replayed died meanwhile)."""
+        self.passed, self.left = self.calls_passed(), 0
         self.streak = self.died_unused = self.length = 0
 
     def calls_passed(self) -> int:
@@ -116,16 +117,18 @@ class Churn:
 
     def stats(self) -> Optional[KeyStats]:
         """The cache's pass-through row for ``report()``, or None if it never passed."""
-        if not self.length:
-            if not self.passed:
-                return None
-            return KeyStats(
-                function=self.function, key="calls passed through (keys churn)", state="eager",
-                calls=self.passed, eager_calls=self.passed, replays=0, capture_seconds=None,
-                graph_bytes=0, fallback_reason=(
-                    f"calls ran as plain calls while its keys churned; that ended when a graph "
-                    f"replayed ({self.looks} look(s) before)"))
+        if not self.length and not self.passed:
+            return None
         passed = self.calls_passed()
+        return KeyStats(
+            function=self.function, key="calls passed through (keys churn)", state="eager",
+            calls=passed, eager_calls=passed, replays=0, capture_seconds=None, graph_bytes=0,
+            fallback_reason=self._why())
+
+    def _why(self) -> str:
+        if not self.length:
+            return (f"calls ran as plain calls while its keys churned; that ended when a graph "
+                    f"replayed ({self.looks} look(s) before)")
         now = (f"passing through, next look in {self.left} calls" if self.left > 0 else
                f"keying again since a look (the next new key passes through "
                f"{min(2 * self.length, self.longest)} calls)")
@@ -133,13 +136,9 @@ class Churn:
         if self.died_unused:
             changing += (f"; {self.died_unused} of them died before they were called again "
                          f"(an argument is a new object on each call)")
-        return KeyStats(
-            function=self.function, key="calls passed through (keys churn)", state="eager",
-            calls=passed, eager_calls=passed, replays=0, capture_seconds=None, graph_bytes=0,
-            fallback_reason=(
-                f"{self.streak} new keys in a row were never graphed{changing}, so calls run "
+        return (f"{self.streak} new keys in a row were never graphed{changing}, so calls run "
                 f"as plain calls, unkeyed and unwatched; {self.looks} look(s) so far, "
-                f"{now}. {self.advice()}"))
+                f"{now}. {self.advice()}")
 
     def warning(self, label: str) -> str:
         """What is said once, when calls start to pass through; ``label``: the new key's."""

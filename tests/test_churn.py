@@ -154,3 +154,14 @@ def test_the_row_stays_with_its_count_once_a_replay_ends_the_episode():
     assert not cache.new_key(2)  # the look's new key: the episode is over
     row = cache.churn.stats()
     assert row.calls == 4 and "ended when a graph replayed" in row.fallback_reason
+
+
+def test_a_key_that_replayed_dying_during_a_pass_through_ends_it_at_once():
+    # KeyCache.stats() forgets dead keys too, so a key can die while calls pass through.
+    cache = Cache(Churn("f", window=2, first=8))
+    cache.new_key(0), cache.new_key(1)
+    assert cache.pass_calls(3) == 3
+    cache.churn.key_died(SimpleNamespace(graph=object(), calls=9, replays=8))
+    assert cache.pass_calls(10) == 0
+    row = cache.churn.stats()
+    assert row.calls == 3 and "ended when a graph replayed" in row.fallback_reason
