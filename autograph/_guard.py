@@ -27,7 +27,6 @@ a ``Generator`` object's ``set_state()`` goes unseen.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import dis
 import linecache
@@ -36,14 +35,14 @@ import re
 import sys
 import traceback
 from types import FrameType, TracebackType
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
-from ._modes import CompiledCodeRunsUnder
+from ._modes import BOTH, Observer
 from ._unsafe_ops import (CPU_CONSEQUENCE, CPU_OPERATION, TRAITS, composite_keys, traits_of,
                           unsafe_op)
 
@@ -162,32 +161,22 @@ def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Fi
     return Finding(operation, consequence, location, source)
 
 
-class UnsafeOpDetector(CompiledCodeRunsUnder):
-    """Record (or stop at) the first unsafe operation made by the current thread.
+class LibraryUse(Observer):
+    """What a capture of the run must prepare for: a cuDNN handle, private random generators.
 
-    ``device_type`` is the device whose work is being graphed ("cuda"; the CPU emulation used
-    by the test suite passes "cpu"). With ``raise_on_unsafe`` the first finding raises
-    ``GuardError``; otherwise calls proceed unchanged and the first finding is kept.
+    >>> with LibraryUse() as uses:
+    ...     step(x)                      # a warmup: judged by nothing, its ops run whole
+    >>> uses.uses_cudnn, uses.generators
+    (False, [])
     """
 
-    def __init__(self, device_type: str, raise_on_unsafe: bool):
-        super().__init__()
-        self.device_type = device_type
-        self.raise_on_unsafe = raise_on_unsafe
-        self.finding: Optional[Finding] = None
+    def __init__(self) -> None:
         self.uses_cudnn = False  # whether a capture must first create a cuDNN handle
         # The private random generators the call draws from: a CUDA capture registers them.
         self.generators: List[torch.Generator] = []
 
-    def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
-        if self.finding is None:
-            self.finding = _finding(operation, consequence, frame)
-        if self.raise_on_unsafe:
-            raise GuardError(self.finding)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]
+               ) -> None:
         if not self.uses_cudnn and (TRAITS.get(func) or traits_of(func)).cudnn:
             self.uses_cudnn = True
         generator = kwargs.get("generator")
@@ -196,26 +185,41 @@ class UnsafeOpDetector(CompiledCodeRunsUnder):
         if generator is not None and \
                 all(generator._cdata != g._cdata for g in self.generators):
             self.generators.append(generator)
-        keys = composite_keys(func, args, kwargs)
-        if keys is not None:
-            # Run the op as the dispatcher would below this mode, its parts seen by the mode:
-            # bool(t) is aten.is_nonzero, whose part aten._local_scalar_dense reads the host.
-            with self._watching_parts():
-                return func.redispatch(keys, *args, **kwargs)
+
+
+class UnsafeOpDetector(LibraryUse):
+    """Record (or stop at) the first unsafe operation made by the current thread.
+
+    ``device_type`` is the device whose work is being graphed ("cuda"; the CPU emulation used
+    by the test suite passes "cpu"). With ``raise_on_unsafe`` the first finding raises
+    ``GuardError``; otherwise calls proceed unchanged and the first finding is kept.
+    """
+
+    # Composite ops are run apart (``_modes.OpWatch``), each part judged: bool(t) is
+    # aten.is_nonzero, whose part aten._local_scalar_dense reads the host.
+    sees = BOTH
+    split = staticmethod(composite_keys)
+
+    def __init__(self, device_type: str, raise_on_unsafe: bool):
+        super().__init__()
+        self.device_type = device_type
+        self.raise_on_unsafe = raise_on_unsafe
+        self.finding: Optional[Finding] = None
+
+    def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
+        if self.finding is None:
+            self.finding = _finding(operation, consequence, frame)
+        if self.raise_on_unsafe:
+            raise GuardError(self.finding)
+
+    before_split = LibraryUse.before
+
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]
+               ) -> None:
+        super().before(func, args, kwargs, tensors)
         unsafe = unsafe_op(func, args, kwargs, self.device_type)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))
-        return func(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _watching_parts(self) -> Iterator[None]:
-        # The mode's own push and pop: __enter__ would also redo the patches and the thread's
-        # detector.
-        super().__enter__()
-        try:
-            yield
-        finally:
-            super().__exit__(None, None, None)
 
     def __enter__(self) -> "UnsafeOpDetector":
         self._host_calls = watch_host_calls(self)

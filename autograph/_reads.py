@@ -28,7 +28,7 @@ from typing import (Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, S
 import torch
 
 from ._keys import describe_tensor
-from ._modes import CompiledCodeRunsUnder
+from ._modes import Observer, tensors_in
 
 Tensor = torch.Tensor
 
@@ -38,14 +38,6 @@ def storage_ptr(t: Tensor) -> int:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # sparse, nested or fake tensors
         return 0
-
-
-def tensors_in(values: Iterable[Any]) -> Iterable[Tensor]:
-    for v in values:
-        if isinstance(v, Tensor):
-            yield v
-        elif isinstance(v, (list, tuple)):
-            yield from tensors_in(v)
 
 
 _aten = torch.ops.aten
@@ -101,37 +93,30 @@ def _writes_of(func: Any) -> Tuple[Tuple[Place, ...], Optional[Place], Tuple[Pla
     return facts
 
 
-class CallWatch(CompiledCodeRunsUnder):
+class CallWatch(Observer):
     """Record, for one run of a function, the storages it wrote and the tensors it read that
     it neither received (``statics``) nor created."""
 
     def __init__(self, statics: Sequence[Tensor] = ()):
-        super().__init__()
         self.known = {storage_ptr(t) for t in statics} | {0}
         self.written: Set[int] = set()
         # Strong references until the caller has replayed once: a tensor the function
         # itself rebinds during capture must stay alive for that first replay.
         self.external: Dict[int, Tensor] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        for t in tensors_in(args):
-            ptr = storage_ptr(t)
-            if ptr not in self.known:
-                self.external[ptr] = t
-                self.known.add(ptr)
-        for t in tensors_in(kwargs.values()):
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> bool:
+        for t in tensors:
             ptr = storage_ptr(t)
             if ptr not in self.known:
                 self.external[ptr] = t
                 self.known.add(ptr)
         for t in written_tensors(func, args, kwargs):
             self.written.add(storage_ptr(t))
-        out = func(*args, **kwargs)
+        return True
+
+    def after(self, token: bool, out: Any) -> None:
         for t in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
             self.known.add(storage_ptr(t))
-        return out
 
     def written_arguments(self, tensors: Sequence[Tensor]) -> List[int]:
         """Indices of the arguments whose storage the run wrote to."""

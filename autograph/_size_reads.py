@@ -30,11 +30,11 @@ there such tensors are data and not read.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._modes import CompiledCodeRunsUnder
+from ._modes import Observer
 
 Tensor = torch.Tensor
 
@@ -104,21 +104,17 @@ def _number_places(func: Any) -> Tuple[Tuple[int, str, str], ...]:
     return places
 
 
-class NumbersOf(CompiledCodeRunsUnder):
+class NumbersOf(Observer):
     """Note the Python numbers a run's ops are passed as ``numbers[size]``, once the run
     returns (a run that raised shows nothing); a size already noted is left as it is."""
 
     def __init__(self, numbers: Dict[int, Numbers], size: int):
-        super().__init__()
         self.numbers, self.size = numbers, size
         self.seen: Numbers = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> None:
         for name, number in numbers_passed(func, args, kwargs):
             self.seen.append((func, name, number))
-        return func(*args, **kwargs)
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
         super().__exit__(kind, error, traceback)

@@ -13,12 +13,12 @@ taken back.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 import torch
 
-from ._modes import CompiledCodeRunsUnder
-from ._reads import tensors_in, written_tensors
+from ._modes import PARTS, Observer
+from ._reads import written_tensors
 
 Tensor = torch.Tensor
 
@@ -30,24 +30,25 @@ def _generator_states() -> List[Tuple[Any, Any]]:
     return [(g, g.get_state()) for g in generators]
 
 
-class UndoWrites(CompiledCodeRunsUnder):
+class UndoWrites(Observer):
     """Save what a call overwrites, so that ``restore()`` can put it back."""
 
+    # Under the guard a composite op is run apart: its writes are made by its parts.
+    sees = PARTS
+
     def __init__(self) -> None:
-        super().__init__()
         self.saved: Dict[int, Tuple[Any, Any]] = {}
         self.created: Set[int] = set()
         self.generators = _generator_states()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]
+               ) -> Set[int]:
         for value in (*args, *kwargs.values()):
             # A private generator (torch.rand(..., generator=g)) is state the call advances,
             # like the default ones: saved before its first draw. An op is handed its own
             # Python object for a generator (the default one too, passed explicitly): told
             # apart by the generator's identity, or a later state would be saved over it.
-            if isinstance(value, torch.Generator) and \
+            if type(value) is torch.Generator and \
                     all(value._cdata != g._cdata for g, _ in self.generators):
                 self.generators.append((value, value.get_state()))
         for tensor in written_tensors(func, args, kwargs):
@@ -60,15 +61,14 @@ class UndoWrites(CompiledCodeRunsUnder):
                 self.saved[key] = (storage, storage.clone())
         # A view (t(), a slice) or an in-place op returns an input's storage: not new memory,
         # and a later write through it must be saved too.
-        inputs = {t.untyped_storage()._cdata for t in tensors_in((*args, *kwargs.values()))
-                  if t.layout is torch.strided}
-        out = func(*args, **kwargs)
+        return {t.untyped_storage()._cdata for t in tensors if t.layout is torch.strided}
+
+    def after(self, inputs: Set[int], out: Any) -> None:
         for t in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(t, Tensor) and t.layout is torch.strided:
                 key = t.untyped_storage()._cdata
                 if key not in inputs:
                     self.created.add(key)
-        return out
 
     def restore(self) -> None:
         """Put every saved storage and generator back as it was."""

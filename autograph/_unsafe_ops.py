@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
-from ._reads import tensors_in
+from ._modes import tensors_in
 
 _aten = torch.ops.aten
 
@@ -131,10 +131,11 @@ def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 
 
-def composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
-    """The dispatch keys to run a composite op's own kernel with, or None to run it whole.
+def composite_keys(func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
+    """The dispatch keys to run a composite op's own kernel with, or None to run it whole;
+    ``tensors`` are those it is passed.
 
-    >>> composite_keys(torch.ops.aten.is_nonzero.default, (torch.ones(()),), {})
+    >>> composite_keys(torch.ops.aten.is_nonzero.default, [torch.ones(())])
     DispatchKeySet(CPU)
 
     Autograd normally decomposes composite ops before any dispatch mode sees them; under
@@ -143,7 +144,7 @@ def composite_keys(func: Any, args: tuple, kwargs: dict) -> Optional[Any]:
     """
     if not (TRAITS.get(func) or traits_of(func)).composite:
         return None
-    keys = [torch._C._dispatch_keys(t) for t in tensors_in((*args, *kwargs.values()))]
+    keys = [torch._C._dispatch_keys(t) for t in tensors]
     if not keys or any(k.has(torch._C.DispatchKey.Python) for k in keys):
         return None
     below = functools.reduce(operator.or_, keys) & _BELOW_PYTHON

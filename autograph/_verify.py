@@ -85,11 +85,11 @@ class EagerRun(UndoWrites):
         self.dtypes: Dict[int, torch.dtype] = {}
         self.generators_after: List[Tuple[Any, Any]] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
-        for tensor in written_tensors(func, args, kwargs or {}):
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]
+               ) -> Set[int]:
+        for tensor in written_tensors(func, args, kwargs):
             self.dtypes.setdefault(tensor.untyped_storage()._cdata, tensor.dtype)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        return super().before(func, args, kwargs, tensors)
 
     def take_back(self) -> List[Tuple[Any, torch.dtype, Any]]:
         """Restore the state and generators; return (storage, dtype, contents after the run)

@@ -1,0 +1,100 @@
+"""The one dispatch mode of a watched run (``_modes.OpWatch``): observers entered inside one
+another share it, each sees every op once, and composite ops taken apart by the guard are seen
+whole or in parts as each observer asks."""
+import pytest
+import torch
+
+from autograph._guard import GuardError, LibraryUse, UnsafeOpDetector
+from autograph._modes import BOTH, PARTS, WHOLE, Observer, OpWatch
+from autograph._reads import CallWatch
+from autograph._size_reads import NumbersOf
+from autograph._undo import UndoWrites
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+
+def modes_on_the_stack():
+    return torch._C._len_torch_dispatch_stack()
+
+
+class Names(Observer):
+    """Notes the name of every op it is shown."""
+
+    def __init__(self, sees=WHOLE):
+        self.sees, self.names = sees, []
+
+    def before(self, func, args, kwargs, tensors):
+        self.names.append(func.overloadpacket.__name__)
+
+
+class Foreign(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_observers_entered_inside_one_another_share_one_mode():
+    w, x = torch.ones(3), torch.ones(3)
+    numbers = {}
+    with UndoWrites() as undo, LibraryUse(), CallWatch() as watch, NumbersOf(numbers, 3):
+        assert modes_on_the_stack() == 1
+        assert isinstance(_get_current_dispatch_mode(), OpWatch)
+        w.add_(x * 2.5)
+    assert modes_on_the_stack() == 0
+    # Each saw the ops: the read of w by address, the number, the write saved for undoing.
+    assert w.untyped_storage().data_ptr() in watch.external
+    assert ("other", 2.5) in [(name, n) for _, name, n in numbers[3]]
+    undo.restore()
+    assert torch.equal(w, torch.ones(3))
+
+
+def test_a_mode_of_another_kind_between_observers_keeps_its_place():
+    x = torch.ones(3)
+    with Names() as outer:
+        with Foreign() as foreign:
+            with Names() as inner:
+                assert modes_on_the_stack() == 3
+                torch.mul(x, 2)
+    assert outer.names == foreign.names == inner.names == ["mul"]
+    assert modes_on_the_stack() == 0
+
+
+def test_each_observer_sees_a_composite_op_whole_or_in_parts_as_it_asks():
+    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    whole, parts, both = Names(WHOLE), Names(PARTS), Names(BOTH)
+    with torch.inference_mode():
+        with whole, parts, both, UnsafeOpDetector("cpu", raise_on_unsafe=False) as guard:
+            torch.nn.functional.linear(x, w)
+    assert guard.finding is None
+    assert "linear" in whole.names and "linear" not in parts.names
+    assert "linear" in both.names and set(parts.names) < set(both.names)
+    assert {"t", "mm"} & set(parts.names)
+    # Without the guard nothing takes it apart: every observer sees it whole.
+    alone = Names(PARTS)
+    with torch.inference_mode(), alone:
+        torch.nn.functional.linear(x, w)
+    assert alone.names == ["linear"]
+
+
+def test_the_guard_finds_a_host_read_inside_a_composite_among_other_observers():
+    x = torch.ones(3)
+    with torch.inference_mode(), CallWatch(), UnsafeOpDetector("cpu", raise_on_unsafe=True):
+        with pytest.raises(GuardError, match=r"bool\(tensor\)"):
+            bool(x.any())
+    assert modes_on_the_stack() == 0
+    assert torch.mul(x, 2).sum().item() == 6.0  # nothing left watching
+
+
+def test_the_watch_leaves_when_its_last_observer_does():
+    first, second = Names(), Names()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # out of order: the mode stays for the other
+    assert modes_on_the_stack() == 1
+    torch.ones(1) + 1
+    second.__exit__(None, None, None)
+    assert modes_on_the_stack() == 0
+    assert first.names == [] and second.names == ["ones", "add"]
