@@ -27,7 +27,7 @@ from ._bucket_runs import (capture_call, capture_replay, first_padded_replay, ru
 from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
-from ._guard import UnsafeOpDetector
+from ._guard import LibraryUse
 from ._islands import eager_scope, in_an_island
 from ._outputs import flatten_output
 from ._payoff import measurement, timed_call
@@ -232,17 +232,17 @@ class KeyLife:
         return outputs
 
     def watched_warmup(self, c: Call) -> Any:
-        """The last warmup: watched, not judged. A host read seen here may be skipped during
-        capture by capture-aware code, so the capture's guard decides."""
-        detector = UnsafeOpDetector(self.backend.device_type, raise_on_unsafe=False)
+        """The last warmup: watched, not judged (capture-aware code may skip a host read seen
+        here: the capture's guard decides); it notes what the capture must prepare."""
+        uses = LibraryUse()
         watch = CallWatch(c.tensors)
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
-        with detector, watch, collectives:
+        with uses, watch, collectives:
             outputs = run_call(self, c, watched=True)
         if isinstance(collectives, CollectiveWatch):
             self.groups = collectives.groups
         self.warmups += 1
-        self.uses_cudnn, self.generators = detector.uses_cudnn, tuple(detector.generators)
+        self.uses_cudnn, self.generators = uses.uses_cudnn, tuple(uses.generators)
         self.warmup_thread = threading.get_ident()
         leaves = flatten_output(outputs)[0]
         self.written = watch.written_arguments(c.tensors)
