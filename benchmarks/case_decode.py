@@ -82,6 +82,21 @@ def case_decode(rows, with_compile):
                 note=f"target < 1 s; graph memory {graph_mib:.1f} MiB (graph_bytes summed); one "
                      f"StaticCache per bucket passed by static_argnames, given to capture() as "
                      f"autograph.per_bucket(caches)")
+        # The same capture by a new function, every shape run once already: autograph's own
+        # cost, without the one-time work at a new shape (kernels loaded, cuBLAS's choices)
+        # that the first capture() pays and an eager first call at each size pays too.
+        again = autograph.graphed(step, buckets=list(BUCKETS), bucket_args={"ids": 0},
+                                  check_payoff=False, static_argnames=("cache",), max_graphs=64)
+        sync()
+        start = time.perf_counter()
+        again.capture(tokens, pos, autograph.per_bucket(bucket_caches))
+        sync()
+        add_row(rows, NAME, f"capture() of the {len(BUCKETS)} buckets again, a new function",
+                time.perf_counter() - start, unit="s", kind="autograph",
+                note="the shapes run before: without the one-time work at each new shape that "
+                     "the first capture() pays (an eager first call pays it too)")
+        again.reset()
+        del again
         for b in SIZES:
             progress(f"batch {b}")
             ids, bucket_cache, exact_cache = tokens[:b], bucket_caches[bucket_of(b)], per_size[b]
