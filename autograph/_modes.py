@@ -119,8 +119,11 @@ class OpWatch(CompiledCodeRunsUnder):
         self._set((observer, *self.observers))
 
     def leave(self, observer: Observer) -> None:
-        self._set(tuple(o for o in self.observers if o is not observer))
-        if not self.observers:
+        kept = tuple(o for o in self.observers if o is not observer)
+        if len(kept) == len(self.observers):
+            return  # left already: the mode must not be popped twice
+        self._set(kept)
+        if not kept:
             super().__exit__(None, None, None)
 
     def _set(self, observers: Tuple[Observer, ...]) -> None:

@@ -98,3 +98,14 @@ def test_the_watch_leaves_when_its_last_observer_does():
     second.__exit__(None, None, None)
     assert modes_on_the_stack() == 0
     assert first.names == [] and second.names == ["ones", "add"]
+
+
+def test_an_observer_left_twice_pops_nothing_more():
+    outer, inner = Names(), Names()
+    with outer:
+        inner.__enter__()
+        inner.__exit__(None, None, None)
+        inner.__exit__(None, None, None)
+        assert modes_on_the_stack() == 1
+        torch.ones(1)
+    assert outer.names == ["ones"] and modes_on_the_stack() == 0
