@@ -18,9 +18,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ._modes import CompiledCodeRunsUnder
+from ._modes import CompiledCodeRunsUnder, run_apart, tensors_in
 from ._ranks import COLLECTIVE_NAMESPACES
 from ._reads import written_tensors
+from ._unsafe_ops import composite_keys
 
 _aten = torch.ops.aten
 
@@ -193,6 +194,12 @@ class Recorder(CompiledCodeRunsUnder):
             self.ops.append(RecordedOp(_aten.copy_.default, leaves, spec, []))
             return out
         if torch.Tag.inplace_view in func.tags or _returns_only_views(func):
+            keys = composite_keys(func, list(tensors_in((*args, *kwargs.values()))))
+            if keys is not None:
+                # A composite op the guard judged whole (``to``, ``reshape``): its schema
+                # says its result may alias, but its parts may compute, and they are what a
+                # graph records.
+                return run_apart(self, func, keys, args, kwargs)
             return func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]

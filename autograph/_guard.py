@@ -43,7 +43,7 @@ from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
 from ._modes import BOTH, Observer
-from ._unsafe_ops import (CPU_CONSEQUENCE, CPU_OPERATION, TRAITS, composite_keys, traits_of,
+from ._unsafe_ops import (CPU_CONSEQUENCE, CPU_OPERATION, TRAITS, judged_apart, traits_of,
                           unsafe_op)
 
 _SKIPPED_DIRS = (
@@ -198,7 +198,7 @@ class UnsafeOpDetector(LibraryUse):
     # Composite ops are run apart (``_modes.OpWatch``), each part judged: bool(t) is
     # aten.is_nonzero, whose part aten._local_scalar_dense reads the host.
     sees = BOTH
-    split = staticmethod(composite_keys)
+    split = staticmethod(judged_apart)
 
     def __init__(self, device_type: str, raise_on_unsafe: bool):
         super().__init__()

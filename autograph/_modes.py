@@ -54,6 +54,13 @@ def _op_tensors(args: tuple, kwargs: dict) -> List[Tensor]:
     return found
 
 
+def run_apart(mode: TorchDispatchMode, func: Any, keys: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a composite op's own kernel with ``mode`` on top again, so its parts reach it
+    (``keys``: ``_unsafe_ops.composite_keys``)."""
+    with mode:
+        return func.redispatch(keys, *args, **kwargs)
+
+
 class CompiledCodeRunsUnder(TorchDispatchMode):
     """A dispatch mode that Dynamo compiles around and runs compiled code under."""
 
@@ -151,21 +158,18 @@ class OpWatch(CompiledCodeRunsUnder):
 
     def _split(self, func: Any, keys: Any, args: tuple, kwargs: dict,
                tensors: Sequence[Tensor], observers: Tuple[Observer, ...]) -> Any:
-        """Run a composite op's own kernel with this mode on top again, so its parts reach
-        it: bool(t) is aten.is_nonzero, whose part aten._local_scalar_dense reads the host."""
+        """Run a composite op apart, its parts shown to the observers that see parts: bool(t)
+        is aten.is_nonzero, whose part aten._local_scalar_dense reads the host."""
         tokens: List[Tuple[Observer, Any]] = []
         for observer in observers:
             if observer.sees != PARTS:
                 token = observer.before_split(func, args, kwargs, tensors)
                 if token is not None:
                     tokens.append((observer, token))
-        # The mode's own push and pop: ``join`` pushes once for all its observers.
         self.splitting += 1
-        super().__enter__()
         try:
-            out = func.redispatch(keys, *args, **kwargs)
+            out = run_apart(self, func, keys, args, kwargs)
         finally:
-            super().__exit__(None, None, None)
             self.splitting -= 1
         for observer, token in tokens:
             observer.after(token, out)

@@ -55,6 +55,13 @@ def is_view(func: Any) -> bool:
 # Op names whose CUDA kernels may come from cuDNN.
 _CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru")
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
+# Composite ops whose parts, for any arguments, are views and arithmetic on the arguments'
+# own device: judged whole, what their parts would show (a CPU tensor computed on) shows on
+# the whole. They were 232 of the 250 composite ops an HF Llama decode step makes under
+# inference_mode, each taken apart at a cost (docs/design.md, "The guard"). Not ``to`` in
+# general (to a device copies between devices), nor ``type_as`` (to another tensor's device).
+_WHOLE_COMPOSITES = (_aten.reshape.default, _aten.linear.default, _aten.matmul.default,
+                     _aten.to.dtype)
 
 
 class _Traits(NamedTuple):
@@ -68,6 +75,7 @@ class _Traits(NamedTuple):
     name: str
     cudnn: bool  # whose CUDA kernels may come from cuDNN
     composite: bool  # with a CompositeImplicitAutograd kernel
+    judged_whole: bool  # a composite op the guard judges whole (_WHOLE_COMPOSITES)
 
 
 # Per op: asked for every op of a watched run or a capture; an op's schema, tags and
@@ -84,7 +92,8 @@ def traits_of(func: Any) -> _Traits:
         cpu_checked=not is_view(func) and packet not in _CPU_CONSTANT_OPS,
         index=_INDEX_OPS.get(name), dynamic_shape=torch.Tag.dynamic_output_shape in tags,
         name=name, cudnn=any(part in func.__name__ for part in _CUDNN_OPS),
-        composite=torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE))
+        composite=torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE),
+        judged_whole=func in _WHOLE_COMPOSITES)
     return traits
 
 
@@ -153,3 +162,10 @@ def composite_keys(func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
     if torch._C._dispatch_has_kernel_for_any_dispatch_key(func.name(), below):
         return None
     return below
+
+
+def judged_apart(func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
+    """``composite_keys`` for the guard, which judges ``_WHOLE_COMPOSITES`` whole (None)."""
+    if (TRAITS.get(func) or traits_of(func)).judged_whole:
+        return None
+    return composite_keys(func, tensors)

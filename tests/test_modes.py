@@ -8,6 +8,7 @@ from autograph._guard import GuardError, LibraryUse, UnsafeOpDetector
 from autograph._modes import BOTH, PARTS, WHOLE, Observer, OpWatch
 from autograph._reads import CallWatch
 from autograph._size_reads import NumbersOf
+from autograph._unsafe_ops import CPU_OPERATION
 from autograph._undo import UndoWrites
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
@@ -63,20 +64,30 @@ def test_a_mode_of_another_kind_between_observers_keeps_its_place():
 
 
 def test_each_observer_sees_a_composite_op_whole_or_in_parts_as_it_asks():
-    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    x = torch.ones(2, 3)
     whole, parts, both = Names(WHOLE), Names(PARTS), Names(BOTH)
     with torch.inference_mode():
         with whole, parts, both, UnsafeOpDetector("cpu", raise_on_unsafe=False) as guard:
-            torch.nn.functional.linear(x, w)
+            torch.nn.functional.layer_norm(x, (3,))
     assert guard.finding is None
-    assert "linear" in whole.names and "linear" not in parts.names
-    assert "linear" in both.names and set(parts.names) < set(both.names)
-    assert {"t", "mm"} & set(parts.names)
+    assert "layer_norm" in whole.names and "layer_norm" not in parts.names
+    assert "layer_norm" in both.names and set(parts.names) < set(both.names)
+    assert "native_layer_norm" in parts.names
     # Without the guard nothing takes it apart: every observer sees it whole.
     alone = Names(PARTS)
     with torch.inference_mode(), alone:
-        torch.nn.functional.linear(x, w)
-    assert alone.names == ["linear"]
+        torch.nn.functional.layer_norm(x, (3,))
+    assert alone.names == ["layer_norm"]
+
+
+def test_the_guard_judges_the_common_composites_whole_and_still_finds_cpu_work():
+    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    parts = Names(PARTS)
+    with torch.inference_mode():
+        with parts, UnsafeOpDetector("cuda", raise_on_unsafe=False) as guard:
+            torch.nn.functional.linear(x, w).reshape(8).to(torch.float64)
+    assert parts.names == ["linear", "reshape", "to"]  # not taken apart
+    assert guard.finding is not None and guard.finding.operation == CPU_OPERATION
 
 
 def test_the_guard_finds_a_host_read_inside_a_composite_among_other_observers():
