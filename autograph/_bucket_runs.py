@@ -144,22 +144,22 @@ def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
     padding = c.padding
     if padding is not None and not _note_capture(life, graph, padding):
         return life.run_eagerly(c), False
-    if padding is not None and (life.options.replays_to_verify or _checked_once(padding)):
-        outputs, kept = _verified_capture(life, c, graph, copy_in=False)
-    else:
-        outputs, kept = _replay_once(life, c, graph, copy_in=False)
-    if kept and padding is not None:
-        graph.rows_checked.add(padding.rows)
+    checked = padding is not None and (life.options.replays_to_verify or padding.runs_as_called)
+    return _first_replay_at_rows(life, c, graph, False, checked)
+
+
+def _first_replay_at_rows(life: Any, c: Any, graph: Any, copy_in: bool, checked: bool
+                          ) -> Tuple[Any, bool]:
+    """The first replay of ``graph`` at the call's row count: (outputs, whether the graph is
+    kept), ``checked`` against an eager run of the call. Checked once per row count where the
+    call runs as called (``Padding.runs_as_called``): a value made from the size may agree at
+    one count and not another, and that run shows what neither the numbers its ops get nor
+    the pad-row probe can (a tensor made from the size, ``torch.linspace(0, 1, x.shape[0])``,
+    then reduced)."""
+    outputs, kept = (_verified_capture if checked else _replay_once)(life, c, graph, copy_in)
+    if kept and c.padding is not None:
+        graph.rows_checked.add(c.padding.rows)
     return outputs, kept
-
-
-def _checked_once(padding: Any) -> bool:
-    """Whether this replay with pad rows, the first at its row count, is checked against an
-    eager run of the call as given (once per row count: a value made from the size may agree
-    at one count and not at another): for a key without per-bucket state, that run is the
-    truth, and it shows what neither the numbers its ops get nor the pad-row probe can (a
-    tensor made from the size, ``torch.linspace(0, 1, x.shape[0])``, then reduced)."""
-    return padding.rows != padding.bucket and not padding.stateful
 
 
 def _replay_once(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bool]:
@@ -239,11 +239,8 @@ def first_padded_replay(life: Any, c: Any) -> Any:
     if read is not None:
         refuse(life, read)
         return life.run_eagerly(c)
-    graph = life.graph
-    outputs, kept = (_verified_capture if _checked_once(padding) else _replay_once)(
-        life, c, graph, True)
+    outputs, kept = _first_replay_at_rows(life, c, life.graph, True, padding.runs_as_called)
     if kept:
-        graph.rows_checked.add(padding.rows)
         c.note(life, "replays")
     return outputs
 

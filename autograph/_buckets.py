@@ -39,6 +39,13 @@ class Padding:
     # every run of its function sees the padded arguments.
     stateful: bool = False
 
+    @property
+    def runs_as_called(self) -> bool:
+        """Whether the call has pad rows and its function runs on its arguments as called
+        (no per-bucket state): that run is the truth a replay with pad rows is checked
+        against, and a capture that raised on the padded arguments only is the padding's."""
+        return self.rows != self.bucket and not self.stateful
+
     def padded_shape(self, tensor: Tensor, index: int) -> torch.Size:
         spec = self.dims[index]
         if spec is None:

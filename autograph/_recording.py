@@ -44,7 +44,7 @@ def _refuse_if_padded(padding: Any, capture: Capture) -> None:
     where the call as given ran (its warmup): a guess of which arguments are batched (a weight
     whose dim 0 equals the rows by chance), not the caller's error. Nothing of the capture
     runs; the call runs eagerly, as called."""
-    if padding is None or padding.stateful or padding.rows == padding.bucket:
+    if padding is None or not padding.runs_as_called:
         return
     error, capture.graph = capture.error, None  # the graph dropped now, as ``record`` does
     raise refused(
