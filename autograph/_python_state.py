@@ -76,8 +76,9 @@ def _class_of(value: Any) -> type:
     return value.__class__ if defined else cls
 
 
-def _is_atom(value: Any, depth: int = 3) -> bool:
-    cls = _class_of(value)
+def _is_atom(value: Any, depth: int = 3, cls: Optional[type] = None) -> bool:
+    if cls is None:
+        cls = _class_of(value)
     if issubclass(cls, _ATOMS):
         return True
     if issubclass(cls, (tuple, frozenset)) and depth and len(value) <= 64:
@@ -85,13 +86,12 @@ def _is_atom(value: Any, depth: int = 3) -> bool:
     return False
 
 
-def _summary(value: Any) -> Summary:
-    """What a slot holds, as far as it is compared: an atom by value, a tensor by presence,
-    a sequence by type and length, anything else by type."""
-    cls = _class_of(value)
+def _summary(value: Any, cls: type) -> Summary:
+    """What a slot holds (of class ``cls``, ``_class_of``), as far as it is compared: an atom
+    by value, a tensor by presence, a sequence by type and length, anything else by type."""
     if issubclass(cls, Tensor):
         return ("tensor",)
-    if _is_atom(value):
+    if _is_atom(value, cls=cls):
         return ("=", value)
     if issubclass(cls, _SEQUENCES):
         return ("sequence", type(value), len(value))
@@ -132,10 +132,11 @@ def _show(summary: Summary) -> str:
     return f"a {summary[1].__name__}"
 
 
-def _ignored(value: Any) -> bool:
+def _ignored(value: Any, cls: Optional[type] = None) -> bool:
     """Values that are no state of a call's: functions and classes, modules, weak caches,
     loggers (a module's ``logger`` caches which levels are enabled as it is first asked)."""
-    cls = _class_of(value)
+    if cls is None:
+        cls = _class_of(value)
     return (issubclass(cls, _IGNORED_TYPES)
             or (callable(value) and not issubclass(cls, torch.nn.Module)))
 
@@ -253,8 +254,9 @@ class _Walk:
             return
         self._budget -= 1
         self.parents[path] = parent
-        self.summaries[path] = _summary(value)
-        self._visit(path, value, left)
+        cls = _class_of(value)
+        self.summaries[path] = _summary(value, cls)
+        self._visit(path, value, left, cls)
 
     def _key_label(self, key: Any) -> str:
         if _is_atom(key):
@@ -263,14 +265,13 @@ class _Walk:
                                    else f"a {type(key).__name__}")
         return f"[#{id(key)}]"
 
-    def _visit(self, path: str, obj: Any, left: int) -> None:
-        if _is_atom(obj) or id(obj) in self._seen:
+    def _visit(self, path: str, obj: Any, left: int, cls: type) -> None:
+        if _is_atom(obj, cls=cls) or id(obj) in self._seen:
             return
         # The shortest path names it: self.weight, not optimizer.param_groups[0]['params'][0].
         if len(path) < len(self.names.get(id(obj), path + " ")):
             self.names[id(obj)] = path
-        cls = _class_of(obj)
-        if issubclass(cls, Tensor) or left <= 0 or _ignored(obj):
+        if issubclass(cls, Tensor) or left <= 0 or _ignored(obj, cls):
             return
         self._seen.add(id(obj))
         if issubclass(cls, dict):
