@@ -198,7 +198,6 @@ class UnsafeOpDetector(LibraryUse):
     # Composite ops are run apart (``_modes.OpWatch``), each part judged: bool(t) is
     # aten.is_nonzero, whose part aten._local_scalar_dense reads the host.
     sees = BOTH
-    split = staticmethod(judged_apart)
 
     def __init__(self, device_type: str, raise_on_unsafe: bool):
         super().__init__()
@@ -213,6 +212,9 @@ class UnsafeOpDetector(LibraryUse):
             raise GuardError(self.finding)
 
     before_split = LibraryUse.before
+
+    def split(self, func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
+        return judged_apart(func, tensors, self.device_type)
 
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]
                ) -> None:

@@ -116,9 +116,11 @@ class OpWatch(CompiledCodeRunsUnder):
     def __init__(self) -> None:
         super().__init__()
         self.observers: Tuple[Observer, ...] = ()  # the last joined first
-        self.of_parts: Tuple[Observer, ...] = ()  # those that see the parts of a split op
         self.split: Optional[Callable[[Any, Sequence[Tensor]], Any]] = None
-        self.splitting = 0  # how deep in the parts of split ops the current op is
+        # The mode a split op's parts run under: one of the observers that see parts (itself
+        # if all do). A mode of its own, not a depth count here: autograd's device threads
+        # share a thread's mode stack.
+        self.parts: OpWatch = self
 
     def join(self, observer: Observer) -> None:
         if not self.observers:
@@ -135,19 +137,22 @@ class OpWatch(CompiledCodeRunsUnder):
 
     def _set(self, observers: Tuple[Observer, ...]) -> None:
         self.observers = observers
-        self.of_parts = tuple(o for o in observers if o.sees != WHOLE)
         self.split = next((o.split for o in observers if o.split is not None), None)
+        of_parts = tuple(o for o in observers if o.sees != WHOLE)
+        self.parts = self
+        if of_parts != observers:
+            self.parts = OpWatch()
+            self.parts._set(of_parts)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        observers = self.of_parts if self.splitting else self.observers
         tensors = _op_tensors(args, kwargs)
         keys = None if self.split is None else self.split(func, tensors)
         if keys is not None:
-            return self._split(func, keys, args, kwargs, tensors, observers)
+            return self._split(func, keys, args, kwargs, tensors)
         tokens: List[Tuple[Observer, Any]] = []
-        for observer in observers:
+        for observer in self.observers:
             token = observer.before(func, args, kwargs, tensors)
             if token is not None:
                 tokens.append((observer, token))
@@ -157,20 +162,16 @@ class OpWatch(CompiledCodeRunsUnder):
         return out
 
     def _split(self, func: Any, keys: Any, args: tuple, kwargs: dict,
-               tensors: Sequence[Tensor], observers: Tuple[Observer, ...]) -> Any:
+               tensors: Sequence[Tensor]) -> Any:
         """Run a composite op apart, its parts shown to the observers that see parts: bool(t)
         is aten.is_nonzero, whose part aten._local_scalar_dense reads the host."""
         tokens: List[Tuple[Observer, Any]] = []
-        for observer in observers:
+        for observer in self.observers:
             if observer.sees != PARTS:
                 token = observer.before_split(func, args, kwargs, tensors)
                 if token is not None:
                     tokens.append((observer, token))
-        self.splitting += 1
-        try:
-            out = run_apart(self, func, keys, args, kwargs)
-        finally:
-            self.splitting -= 1
+        out = run_apart(self.parts, func, keys, args, kwargs)
         for observer, token in tokens:
             observer.after(token, out)
         return out

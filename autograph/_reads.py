@@ -42,9 +42,13 @@ def storage_ptr(t: Tensor) -> int:
 
 _aten = torch.ops.aten
 # In training mode these update running_mean and running_var in place, although their schemas
-# do not mark them as written (those of _native_batch_norm_legit and _batch_norm_with_update do).
-_UPDATES_RUNNING_STATS = {_aten.native_batch_norm, _aten.cudnn_batch_norm,
-                          _aten.miopen_batch_norm}
+# do not mark them as written (those of _native_batch_norm_legit and _batch_norm_with_update
+# do), by the name of the argument that says training. The composite ones reach a dispatch
+# mode whole under inference_mode, where nothing takes them apart (a warmup, verify's run).
+_UPDATES_RUNNING_STATS = {_aten.native_batch_norm: "training", _aten.cudnn_batch_norm: "training",
+                          _aten.miopen_batch_norm: "training", _aten.batch_norm: "training",
+                          _aten._batch_norm_impl_index: "training",
+                          _aten.instance_norm: "use_input_stats"}
 
 
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[Tensor]:
@@ -81,8 +85,9 @@ def _writes_of(func: Any) -> Tuple[Tuple[Place, ...], Optional[Place], Tuple[Pla
     written = [places[argument.name] for argument in func._schema.arguments
                if argument.alias_info is not None and argument.alias_info.is_write]
     training, stats = None, ()
-    if func.overloadpacket in _UPDATES_RUNNING_STATS:
-        training = places.get("training")
+    flag = _UPDATES_RUNNING_STATS.get(func.overloadpacket)
+    if flag is not None:
+        training = places.get(flag)
         stats = tuple(places[name] for name in ("running_mean", "running_var") if name in places)
     if func.namespace == "c10d" and func._schema.name.endswith("_"):
         # torch.distributed's in-place collectives (allreduce_, allgather_, recv_...) write

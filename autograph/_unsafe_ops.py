@@ -52,14 +52,18 @@ def is_view(func: Any) -> bool:
                for r in func._schema.returns)
 
 
-# Op names whose CUDA kernels may come from cuDNN.
-_CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru")
+# Op names whose CUDA kernels may come from cuDNN; composite ones by their own names too (under
+# inference_mode a warmup sees them whole): instance_norm is a batch norm inside, grid_sampler,
+# affine_grid and ctc_loss have cuDNN parts.
+_CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru", "instance_norm",
+              "grid_sampler", "affine_grid", "ctc_loss")
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 # Composite ops whose parts, for any arguments, are views and arithmetic on the arguments'
 # own device: judged whole, what their parts would show (a CPU tensor computed on) shows on
 # the whole. They were 232 of the 250 composite ops an HF Llama decode step makes under
 # inference_mode, each taken apart at a cost (docs/design.md, "The guard"). Not ``to`` in
-# general (to a device copies between devices), nor ``type_as`` (to another tensor's device).
+# general (to a device copies between devices), nor ``type_as`` (to another tensor's device);
+# and not with a CPU tensor while graphing another device (``judged_apart``).
 _WHOLE_COMPOSITES = (_aten.reshape.default, _aten.linear.default, _aten.matmul.default,
                      _aten.to.dtype)
 
@@ -164,8 +168,13 @@ def composite_keys(func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
     return below
 
 
-def judged_apart(func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
-    """``composite_keys`` for the guard, which judges ``_WHOLE_COMPOSITES`` whole (None)."""
-    if (TRAITS.get(func) or traits_of(func)).judged_whole:
+def judged_apart(func: Any, tensors: Sequence[torch.Tensor], device_type: str
+                 ) -> Optional[Any]:
+    """``composite_keys`` for the guard graphing ``device_type``, which judges
+    ``_WHOLE_COMPOSITES`` whole (None) unless one of their tensors is a CPU tensor while it
+    graphs another device: a reshape that copies a CPU tensor computes, and its schema says
+    only that its result may alias (a view is no CPU work)."""
+    if (TRAITS.get(func) or traits_of(func)).judged_whole and \
+            (device_type == "cpu" or not any(t.is_cpu for t in tensors)):
         return None
     return composite_keys(func, tensors)

@@ -80,13 +80,20 @@ def test_each_observer_sees_a_composite_op_whole_or_in_parts_as_it_asks():
     assert alone.names == ["layer_norm"]
 
 
-def test_the_guard_judges_the_common_composites_whole_and_still_finds_cpu_work():
+def test_the_guard_judges_the_common_composites_whole_unless_a_cpu_tensor_is_in_them():
     x, w = torch.ones(2, 3), torch.ones(4, 3)
     parts = Names(PARTS)
     with torch.inference_mode():
-        with parts, UnsafeOpDetector("cuda", raise_on_unsafe=False) as guard:
+        with parts, UnsafeOpDetector("cpu", raise_on_unsafe=False) as guard:
             torch.nn.functional.linear(x, w).reshape(8).to(torch.float64)
     assert parts.names == ["linear", "reshape", "to"]  # not taken apart
+    assert guard.finding is None
+    # Graphing CUDA, a CPU tensor in them is CPU work their parts may hide (a reshape copies).
+    parts = Names(PARTS)
+    with torch.inference_mode():
+        with parts, UnsafeOpDetector("cuda", raise_on_unsafe=False) as guard:
+            torch.nn.functional.linear(x, w)
+    assert "linear" not in parts.names
     assert guard.finding is not None and guard.finding.operation == CPU_OPERATION
 
 

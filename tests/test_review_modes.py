@@ -5,8 +5,8 @@ Without the guard in the warmup nothing takes composite ops apart there, so unde
 ``torch.inference_mode`` every observer of the warmup (``UndoWrites`` in ``capture()``,
 ``LibraryUse``, ``CallWatch``) sees ``aten.batch_norm`` and ``aten.instance_norm`` whole. Their
 schemas do not mark the running statistics as written, and ``instance_norm``'s name does not say
-cuDNN. The defects are marked ``xfail(strict=True)`` with their cause; the guards of fragile
-points that held are unmarked.
+cuDNN. Each failed before its fix (composite norms in ``_reads._UPDATES_RUNNING_STATS`` and
+``_unsafe_ops._CUDNN_OPS``); the others guard fragile points that held.
 """
 import threading
 
@@ -66,10 +66,6 @@ def test_capture_ahead_under_no_grad_takes_back_running_stats(device, norm):
 # (or aten.instance_norm) whole, whose schema marks nothing written, and the running stats
 # keep the warmup's update after capture(). With warmup >= 2 the earlier, unwatched warmups
 # had the same hole before (they ran under UndoWrites alone).
-@pytest.mark.xfail(strict=True, reason="capture() under inference_mode leaves the warmup's "
-                   "running-stat update: UndoWrites sees aten.batch_norm/instance_norm whole "
-                   "(no guard splits in the warmup since 348c09f); _reads._UPDATES_RUNNING_STATS "
-                   "lacks the composite ops")
 @pytest.mark.parametrize("norm", sorted(NORMS))
 def test_capture_ahead_under_inference_mode_takes_back_running_stats(device, norm):
     _capture_ahead_keeps_running_stats(device, norm, inference=True)
@@ -135,8 +131,6 @@ def test_the_warmup_notes_cudnn_as_the_guard_does_without_inference_mode():
 # a capture error for a reason. The same holds on CUDA for grid_sample / affine_grid
 # (cudnn_grid_sampler, cudnn_affine_grid_generator) and ctc_loss (_cudnn_ctc_loss), whose
 # CPU parts name no cuDNN op.
-@pytest.mark.xfail(strict=True, reason="LibraryUse sees aten.instance_norm whole under "
-                   "inference_mode (no guard splits it since 348c09f) and its name says no cuDNN")
 def test_the_warmup_notes_cudnn_under_inference_mode(device):
     @autograph.graphed
     def step(x):
@@ -160,9 +154,6 @@ def test_the_warmup_notes_cudnn_under_inference_mode(device):
 # stats are written only for native_batch_norm / cudnn_batch_norm / miopen_batch_norm. The
 # arguments rm, rv are not noted as written, so a replay updates the graph's static copies and
 # never copies them back: the caller's running stats stay at the warmup's value, silently.
-@pytest.mark.xfail(strict=True, reason="CallWatch sees aten.batch_norm whole under "
-                   "inference_mode; _reads._UPDATES_RUNNING_STATS lacks batch_norm, "
-                   "instance_norm, _batch_norm_impl_index: replays never write back rm, rv")
 def test_running_stats_passed_as_arguments_are_updated_by_every_call(device):
     @autograph.graphed
     def step(x, running_mean, running_var):
@@ -186,9 +177,6 @@ def test_running_stats_passed_as_arguments_are_updated_by_every_call(device):
 # not save the running stats, so take_back() leaves the eager run's update and the replay
 # applies it again: each verified call updates the running stats twice, and the comparison
 # (which checks the storages it saved) does not see it.
-@pytest.mark.xfail(strict=True, reason="EagerRun (UndoWrites) sees aten.batch_norm whole under "
-                   "inference_mode: the verified eager run's running-stat update is not taken "
-                   "back, and the replay applies it a second time")
 def test_verify_takes_back_its_eager_run_of_a_batch_norm_in_training(device):
     module = torch.nn.BatchNorm1d(4).to(device).train()
     reference = torch.nn.BatchNorm1d(4).to(device).train()

@@ -40,11 +40,6 @@ def finding_under(mode, fn, device_type="cuda"):
 NON_CONTIGUOUS_CPU = torch.arange(24.0).reshape(6, 4).t()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "6a664a1: reshape is judged whole, and is_view(aten.reshape) makes it not cpu_checked "
-    "(_unsafe_ops.traits_of); its parts on a non-contiguous tensor are clone + _unsafe_view, "
-    "and _unsafe_view (no alias in its schema) is a CPU operation. Under no_grad the guard "
-    "finds it, under inference_mode it no longer does"))
 @pytest.mark.parametrize("reshape", [
     lambda: NON_CONTIGUOUS_CPU.reshape(24),
     lambda: NON_CONTIGUOUS_CPU.reshape_as(torch.empty(24)),     # reshape_as -> aten.reshape
@@ -244,10 +239,7 @@ def returns_a_reshaped_cpu_table(x):
 @requires_cuda
 @pytest.mark.parametrize("mode", [
     torch.no_grad,
-    pytest.param(torch.inference_mode, marks=pytest.mark.xfail(strict=True, reason=(
-        "6a664a1: reshape judged whole is not cpu_checked (is_view), so the CPU copy a "
-        "reshape of a non-contiguous tensor makes is not found under inference_mode; the "
-        "graph replays the capture's copy"))),
+    torch.inference_mode,
 ], ids=lambda m: m.__name__)
 def test_a_cpu_reshape_copy_in_a_cuda_function_is_not_frozen(mode):
     graphed = autograph.graphed(returns_a_reshaped_cpu_table)
