@@ -2,6 +2,8 @@
 state (one StaticCache per bucket, passed with static_argnames), so that every bucket is
 captured ahead of time and its first real call replays (issue 22; docs/design.md, "Capture
 ahead")."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -16,9 +18,11 @@ def cache_contents(cache):
             for t in (layer.keys, layer.values, layer.cumulative_length)]
 
 
-def test_capture_with_a_static_cache_per_bucket_makes_each_first_call_a_replay(device):
+def tiny_llama_decoding(device, prompt_len=4, max_len=16):
+    """A tiny HF Llama's decode step over StaticCaches: ``tokens(rows, length)``, ``decode(ids,
+    pos, cache)``, ``prefill(cache, prompt)`` (in place: graphs read the cache by address) and
+    ``new_cache()``, plain closures, as a serving loop writes them."""
     transformers, config, model = _tiny_llama(device)
-    buckets, prompt_len, decode_steps, max_len = [1, 2, 4, 8], 4, 3, 16
     generator = torch.Generator().manual_seed(1)
 
     def tokens(rows, length):
@@ -30,12 +34,22 @@ def test_capture_with_a_static_cache_per_bucket_makes_each_first_call_a_replay(d
 
     def prefill(cache, prompt):
         # transformers 5.x: a StaticCache takes its batch size from its first update
-        cache.reset()  # in place: graphs read it by address
+        cache.reset()
         decode(prompt, torch.arange(prompt_len, device=device), cache)
         return cache
 
     def new_cache():
         return transformers.StaticCache(config=config, max_cache_len=max_len)
+
+    return SimpleNamespace(config=config, tokens=tokens, decode=decode, prefill=prefill,
+                           new_cache=new_cache)
+
+
+def test_capture_with_a_static_cache_per_bucket_makes_each_first_call_a_replay(device):
+    buckets, prompt_len, decode_steps = [1, 2, 4, 8], 4, 3
+    llama = tiny_llama_decoding(device, prompt_len)
+    config, tokens, decode = llama.config, llama.tokens, llama.decode
+    prefill, new_cache = llama.prefill, llama.new_cache
 
     step = autograph.graphed(decode, buckets=buckets, bucket_args={"ids": 0},
                              static_argnames=("cache",))

@@ -462,26 +462,10 @@ def _static_cache_decode_at_rows(device, rows_per_sequence, ahead):
     StaticCache (re-prefilled, padded, per sequence); compare each step's logits and the cache's
     real rows with eager decoding on a cache of the sequence's real size; return the rows of
     stats() while the caches live (keys die with them)."""
-    from test_buckets_round3 import _tiny_llama
-    from test_per_bucket import cache_contents
-    transformers, config, model = _tiny_llama(device)
-    prompt_len, max_len = 4, 16
-    generator = torch.Generator().manual_seed(1)
-
-    def tokens(rows, length):
-        return torch.randint(0, config.vocab_size, (rows, length), generator=generator).to(device)
-
-    def decode(ids, pos, cache):
-        return model(input_ids=ids, past_key_values=cache, cache_position=pos,
-                     use_cache=True).logits
-
-    def prefill(cache, prompt):
-        cache.reset()  # in place: graphs read it by address
-        decode(prompt, torch.arange(prompt_len, device=device), cache)
-        return cache
-
-    def new_cache():
-        return transformers.StaticCache(config=config, max_cache_len=max_len)
+    from test_per_bucket import cache_contents, tiny_llama_decoding
+    prompt_len = 4
+    llama = tiny_llama_decoding(device, prompt_len)
+    tokens, decode, prefill, new_cache = llama.tokens, llama.decode, llama.prefill, llama.new_cache
 
     step = autograph.graphed(decode, buckets=[4], bucket_args={"ids": 0},
                              static_argnames=("cache",), bucket_outputs=0)
