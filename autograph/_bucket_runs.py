@@ -88,8 +88,12 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
     with torch.inference_mode(False):
         args, kwargs, padded = padded_arguments(c.args, c.kwargs, c.tensors, padding, bucket)
     versions = {i: t._version for i, t in padded.items()}
-    with _numbers_of(padding, bucket, watched):
-        outputs = c.call(*args, **kwargs)
+    try:
+        with _numbers_of(padding, bucket, watched):
+            outputs = c.call(*args, **kwargs)
+    except Exception as error:
+        _say_it_ran_padded(life, error, rows, bucket)
+        raise
     leaves, rebuild = flatten_output(outputs)
     padding.shapes.note(bucket, leaves)
     decision = padding.shapes.decide(rows, bucket)
@@ -113,6 +117,21 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
                 c.tensors[i].copy_(t.narrow(padding.dims[i][0], 0, rows))
     return rebuild([real_rows(leaf, dims, rows) if isinstance(leaf, Tensor) else leaf
                     for leaf, dims in zip(leaves, decision.dims)])
+
+
+def _say_it_ran_padded(life: Any, error: Exception, rows: int, bucket: int) -> None:
+    """Add to the exception of a padded run that it ran padded, and the usual cause (Python
+    >= 3.11 prints an exception's notes; 3.10 has none). Not run as called instead: its writes
+    to the per-bucket state up to the error are not known to be undone."""
+    if not hasattr(error, "add_note"):
+        return
+    cause = ("bucket_args= names the padded arguments" if life.options.bucket_args is not None
+             else "an argument whose dim 0 equals the rows by chance (a weight) is padded "
+                  "too: name the batched arguments with bucket_args=")
+    error.add_note(f"autograph: {life.function.name}({life.label}) ran on its arguments padded "
+                   f"from {rows} to {bucket} rows, as every run of a key with per-bucket state "
+                   f"(an argument used by address or by identity, such as a KV cache) does; "
+                   f"{cause}")
 
 
 def refuse(life: Any, reason: str) -> None:

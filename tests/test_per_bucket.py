@@ -163,3 +163,28 @@ def test_a_marker_given_to_a_real_call_is_refused(device):
 def test_per_bucket_takes_a_mapping_or_a_callable():
     with pytest.raises(TypeError, match=r"per_bucket\(values\).*list.*mapping.*callable"):
         autograph.per_bucket([None, None])
+
+
+@pytest.mark.skipif(not hasattr(Exception, "add_note"), reason="exception notes: Python >= 3.11")
+def test_a_padded_run_that_raises_says_it_ran_padded_and_names_bucket_args(device):
+    # A key with per-bucket state runs padded every time; a weight whose dim 0 equals the rows
+    # by chance is padded too by the default rule, and torch's error alone did not say so.
+    def step(x, w, cache):
+        y = x @ w
+        cache[:y.shape[0]] += y
+        return y
+
+    x, w = torch.randn(3, 3, device=device), torch.randn(3, 5, device=device)
+    guessed = autograph.graphed(step, buckets=[4], static_argnames=("cache",))
+    with pytest.raises(RuntimeError) as raised:
+        guessed(x, w, torch.zeros(4, 5, device=device))
+    assert "padded from 3 to 4 rows" in raised.value.__notes__[0]
+    assert "bucket_args=" in raised.value.__notes__[0]
+    # Named, it graphs and gives eager's result.
+    named = autograph.graphed(step, buckets=[4], static_argnames=("cache",),
+                              bucket_args={"x": 0}, bucket_outputs=0)
+    cache, eager_cache = torch.zeros(4, 5, device=device), torch.zeros(4, 5, device=device)
+    for _ in range(4):
+        torch.testing.assert_close(named(x, w, cache), step(x, w, eager_cache))
+    torch.testing.assert_close(cache[:3], eager_cache[:3])
+    assert [(s.state, s.replays > 0) for s in named.stats()] == [("graphed", True)]
