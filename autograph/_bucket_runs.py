@@ -121,17 +121,22 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
 
 def _say_it_ran_padded(life: Any, error: Exception, rows: int, bucket: int) -> None:
     """Add to the exception of a padded run that it ran padded, and the usual cause (Python
-    >= 3.11 prints an exception's notes; 3.10 has none). Not run as called instead: its writes
-    to the per-bucket state up to the error are not known to be undone."""
-    if not hasattr(error, "add_note"):
-        return
+    >= 3.11 prints an exception's notes; on 3.10 ``add_note`` is missing and nothing is added).
+    Not run as called instead: its writes to the per-bucket state up to the error are not
+    known to be undone."""
     cause = ("bucket_args= names the padded arguments" if life.options.bucket_args is not None
              else "an argument whose dim 0 equals the rows by chance (a weight) is padded "
                   "too: name the batched arguments with bucket_args=")
-    error.add_note(f"autograph: {life.function.name}({life.label}) ran on its arguments padded "
-                   f"from {rows} to {bucket} rows, as every run of a key with per-bucket state "
-                   f"(an argument used by address or by identity, such as a KV cache) does; "
-                   f"{cause}")
+    note = (f"autograph: {life.function.name}({life.label}) ran on its arguments padded from "
+            f"{rows} to {bucket} rows, as every run of a key with per-bucket state (an argument "
+            f"used by address or by identity, such as a KV cache) does; {cause}")
+    # Once per exception object (one raised again at each call), and never in the way of the
+    # function's own exception: one that takes no note (a frozen dataclass) is raised as is.
+    if note not in getattr(error, "__notes__", ()):
+        try:
+            error.add_note(note)
+        except Exception:  # noqa: BLE001 - the note is a courtesy
+            pass
 
 
 def refuse(life: Any, reason: str) -> None:

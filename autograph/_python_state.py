@@ -113,7 +113,11 @@ def _same(a: Summary, b: Summary) -> bool:
 
 
 def _both_nan(x: Any, y: Any) -> bool:
-    """NaN is not equal to itself; a NaN that stays a NaN (real or complex part) is no change."""
+    """NaN is not equal to itself; a NaN that stays a NaN (real or complex part, or in a tuple
+    made afresh) is no change."""
+    if isinstance(x, tuple):
+        return isinstance(y, tuple) and len(x) == len(y) and \
+            all(a is b or a == b or _both_nan(a, b) for a, b in zip(x, y))
     if isinstance(x, complex):
         return ((x.real == y.real or _both_nan(x.real, y.real))
                 and (x.imag == y.imag or _both_nan(x.imag, y.imag)))

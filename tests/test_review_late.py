@@ -3,7 +3,8 @@ mode of their own (``OpWatch.parts``), the Python-state survey asking a slot's c
 first replay at a row count in one step (``Padding.runs_as_called``), and the note a padded
 run's exception gets (``_bucket_runs._say_it_ran_padded``).
 
-Strict xfails are defects found, with their cause; the rest guard what held."""
+The three defects found (a note that replaced the exception, notes piling up, a fresh NaN
+in a tuple) failed before their fixes; the rest guard what held."""
 import dataclasses
 import math
 
@@ -128,11 +129,6 @@ def test_the_survey_sees_through_proxies_and_odd_objects_as_before():
         "h.frozen: frozenset({1, 2}) -> frozenset({1, 3})"]
 
 
-@pytest.mark.xfail(strict=True, reason="older than the class asked once (4099a33 too): "
-                   "_python_state._same compares a tuple atom with ==, and a tuple holding a "
-                   "NaN made afresh is unequal to its twin; _both_nan sees floats and complex "
-                   "only. A function that stores (nan, ...) each call is made eager with the "
-                   "reason that it changes h.last ((nan,) -> (nan,))")
 def test_a_tuple_holding_a_fresh_nan_is_no_change():
     holder = _Holder()
     holder.last, holder.alone = (float("nan"), 1), float("nan")
@@ -184,11 +180,6 @@ def _cache_step(error):
 
 
 @needs_notes
-@pytest.mark.xfail(strict=True, reason="_bucket_runs._say_it_ran_padded calls error.add_note "
-                   "unguarded: on an exception that takes no attribute (a frozen dataclass; "
-                   "__notes__ set to a tuple) add_note raises FrozenInstanceError/TypeError, "
-                   "which replaces the function's own exception; `except _FrozenError` no "
-                   "longer catches it")
 def test_a_padded_run_raises_the_functions_own_exception_even_if_it_takes_no_note(device):
     step = _cache_step(lambda: _FrozenError("the cache is full"))
     with pytest.raises(_FrozenError):  # eager
@@ -199,9 +190,6 @@ def test_a_padded_run_raises_the_functions_own_exception_even_if_it_takes_no_not
 
 
 @needs_notes
-@pytest.mark.xfail(strict=True, reason="_bucket_runs._say_it_ran_padded adds its note at every "
-                   "padded run that raises: an exception object the function raises again at "
-                   "each call (a prebuilt one) collects one identical note per call")
 def test_an_exception_raised_again_at_each_call_carries_the_note_once(device):
     shared = ValueError("the cache is full")
     fn = autograph.graphed(_cache_step(shared), buckets=[4], static_argnames=("cache",),
