@@ -13,11 +13,12 @@ Two layers (docs/design.md, "The guard"):
   named after the optimizer (``capturable=False`` keeps its step count on the CPU). Under
   ``torch.inference_mode()`` composite ops reach the mode whole (``bool(t)`` arrives as
   ``aten.is_nonzero``), so the mode runs their parts under itself and sees the same ops as
-  under ``torch.no_grad()``;
+  under ``torch.no_grad()`` (but for four judged whole, ``_unsafe_ops.judged_apart``);
 - temporary, thread-checked patches of host calls that are not ATen ops (``_host_calls``):
   synchronisation, the allocator, and reseeding or restoring a random generator.
-The detector observes during the last warmup call (nothing raised: the user's real call runs
-as written) and raises ``GuardError`` during capture, so a capture stops before CUDA fails.
+The detector raises ``GuardError`` during capture, so a capture stops before CUDA fails; with
+``raise_on_unsafe=False`` it only records (nothing of the call changes). The last warmup runs
+under ``LibraryUse`` instead, which notes what a capture must prepare and judges nothing.
 What slips past both (code that disables dispatch modes, C extensions, a ``Generator``
 object's own ``manual_seed()`` and ``seed()``, which are C methods that cannot be patched, a
 seeding function imported by name before the detector started) makes CUDA or torch reject the
