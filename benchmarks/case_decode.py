@@ -16,7 +16,10 @@ position advances on every call, see case_llama.new_cache), so the graphs' addre
 The buckets are captured ahead of time by one ``step.capture(tokens, pos,
 autograph.per_bucket(caches))``: the example resized to every bucket, largest first, each with
 its own bucket's cache, the warmups' writes to the caches taken back (issue 22's target: the 7
-buckets in under 1 s).
+buckets in under 1 s). Two rows put that figure in context: the same capture() by a second
+function over the same shapes (autograph's own cost), and an eager step's first call at a size
+not run before against its next (the one-time work at a new shape that the first capture()
+pays at each bucket, as an eager server would).
 About 60-90 s on an H200: eager timing ~25 s, the rest seconds."""
 from __future__ import annotations
 
@@ -97,6 +100,22 @@ def case_decode(rows, with_compile):
                      "the first capture() pays (an eager first call pays it too)")
         again.reset()
         del again
+        # One-time work at a new shape (kernels loaded, cuBLAS's choices), which the first
+        # capture() paid at each of its buckets and an eager server pays at each new size too:
+        # an eager decode step at a size not run before in this process, then again.
+        new_size = next(b for b in SIZES if b not in BUCKETS)
+        seconds = []
+        for _ in range(2):
+            sync()
+            start = time.perf_counter()
+            step(tokens[:new_size], pos, per_size[new_size])
+            sync()
+            seconds.append(time.perf_counter() - start)
+        add_row(rows, NAME, f"eager step at a new size ({new_size} rows), its first call",
+                seconds[0] * 1e3, unit="ms", kind="eager",
+                note=f"the next call {seconds[1] * 1e3:.1f} ms: the difference is one-time work "
+                     f"at a new shape, which the first capture() pays at each bucket too")
+        refill_all()
         for b in SIZES:
             progress(f"batch {b}")
             ids, bucket_cache, exact_cache = tokens[:b], bucket_caches[bucket_of(b)], per_size[b]
