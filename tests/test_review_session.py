@@ -342,16 +342,9 @@ def test_calls_passed_through_for_new_objects_are_graphed_again_once_one_object_
 # from the third  generate() every call passes through (0 replays; before this session: from the
 # eighth)
 def test_generate_with_a_static_cache_keeps_replaying_its_decode_step_on_the_emulation():
-    transformers = pytest.importorskip("transformers")
-    from test_slower import generate_in_a_region, tiny_llama
-    assert transformers
-    model = tiny_llama()
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.inference_mode():
-        expected = model.generate(ids, max_new_tokens=16, do_sample=False,
-                                  cache_implementation="static")
-        runs = [generate_in_a_region(model, ids, cache_implementation="static")
-                for _ in range(6)]
+    pytest.importorskip("transformers")
+    from test_slower import static_generate_runs
+    expected, runs = static_generate_runs(6)
     assert all(torch.equal(tokens, expected) for tokens, _ in runs)
     assert runs[0][1].replays >= 14
     assert [r.passed_through for _, r in runs] == [0] * 6

@@ -25,6 +25,19 @@ def generate_in_a_region(model, ids, **options):
     return tokens, region.stats()
 
 
+def static_generate_runs(calls):
+    """(eager's tokens, [(tokens, region stats)] of ``calls`` calls in a region) of a tiny
+    Llama's generate(cache_implementation="static"), which builds a StaticCache per call."""
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.inference_mode():
+        expected = model.generate(ids, max_new_tokens=16, do_sample=False,
+                                  cache_implementation="static")
+        runs = [generate_in_a_region(model, ids, cache_implementation="static")
+                for _ in range(calls)]
+    return expected, runs
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padded mask"])
 def test_generate_with_the_default_cache_passes_through_once_its_keys_churn(padded):
     model = tiny_llama()
@@ -53,13 +66,7 @@ def test_generate_with_the_default_cache_passes_through_once_its_keys_churn(padd
     "identity, so every generate() call makes a new prefill key and a new decode key, and "
     "warms up and captures the decode step again"))
 def test_generate_with_a_static_cache_captures_once_and_replays_in_later_calls():
-    model = tiny_llama()
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.inference_mode():
-        expected = model.generate(ids, max_new_tokens=16, do_sample=False,
-                                  cache_implementation="static")
-        runs = [generate_in_a_region(model, ids, cache_implementation="static")
-                for _ in range(3)]
+    expected, runs = static_generate_runs(3)
     assert all(torch.equal(tokens, expected) for tokens, _ in runs)
     assert runs[0][1].captures == 1
     for _, later in runs[1:]:
