@@ -212,8 +212,7 @@ def is_emulating() -> bool:
     return _devices.emulation() is CPU
 
 
-@contextlib.contextmanager
-def emulate_graphs_on_cpu() -> Iterator[None]:
+class emulate_graphs_on_cpu(contextlib.ContextDecorator):
     """Graph CPU calls with the emulation inside the block; the setting before comes back after.
 
     >>> with emulate_graphs_on_cpu():
@@ -221,10 +220,16 @@ def emulate_graphs_on_cpu() -> Iterator[None]:
 
     Blocks nest, and the setting comes back on an exception too. Also usable as a decorator.
     The setting is process-wide, so that graphed calls in other threads are emulated too: it
-    registers this backend as the one of CPU tensors (``_devices.use_emulation``).
+    registers this backend as the one of CPU tensors (``_devices.use_emulation``). A class,
+    not a generator, so that an exception passes through untouched (``contextmanager`` sets
+    its ``__traceback__``, which a frozen dataclass exception refuses).
     """
-    before = _devices.use_emulation(CPU)
-    try:
-        yield
-    finally:
-        _devices.use_emulation(before)
+
+    def __init__(self) -> None:
+        self._before: List[Any] = []  # a stack: one decorator's function may call itself
+
+    def __enter__(self) -> None:
+        self._before.append(_devices.use_emulation(CPU))
+
+    def __exit__(self, *exc: Any) -> None:
+        _devices.use_emulation(self._before.pop())

@@ -19,7 +19,7 @@ import gc
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterator, List, Sequence, Set, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Set, Union
 
 import torch
 
@@ -102,6 +102,28 @@ def make_library_handles(device: int, cudnn: bool, *, backward: bool = False) ->
     # The handles were made on the capture stream: the caller's stream waits for them.
     torch.cuda.current_stream(device).wait_stream(_capture_stream(device))
     made.update(wanted)
+
+
+_WHERE_IT_IS = contextlib.nullcontext()
+
+
+class _OnCaptureStream(on_stream):
+    """``on_stream(capture stream)``, ordered after the caller's stream on the way in and
+    before it on the way out. A class, not a generator: an eager call's exception passes
+    through it, and ``contextlib.contextmanager`` sets ``__traceback__`` on that exception,
+    which one that takes no attribute (a frozen dataclass) refuses, replacing the
+    function's own exception with ``FrozenInstanceError``."""
+
+    __slots__ = ("caller",)
+
+    def __enter__(self) -> "torch.cuda.Stream":
+        self.caller = caller = super().__enter__()
+        self.stream.wait_stream(caller)
+        return caller
+
+    def __exit__(self, *exc: Any) -> None:
+        self.caller.wait_stream(self.stream)
+        super().__exit__(*exc)
 
 
 @contextlib.contextmanager
@@ -192,8 +214,7 @@ class CudaGraphs:
     def reserved_bytes(self, device: int) -> int:
         return torch.cuda.memory_reserved(device)
 
-    @contextlib.contextmanager
-    def eager_stream(self, device: int) -> Iterator[None]:
+    def eager_stream(self, device: int) -> ContextManager[Any]:
         """Run an eager call (a warmup, a fallback) that may build an autograd graph on the
         capture stream.
 
@@ -209,17 +230,8 @@ class CudaGraphs:
         grad mode no node is made: the call runs where it is.
         """
         if not torch.is_grad_enabled():
-            yield
-            return
-        stream = _capture_stream(device)
-        # The call sees the current device it was made with (a graph on cuda:1 called from
-        # cuda:0): on_stream keeps it.
-        with on_stream(stream) as caller:
-            stream.wait_stream(caller)
-            try:
-                yield
-            finally:
-                caller.wait_stream(stream)
+            return _WHERE_IT_IS
+        return _OnCaptureStream(_capture_stream(device))
 
     def autograd_stream(self, device: int) -> "torch.cuda.Stream":
         """The stream that training graphs' autograd nodes belong to: the capture stream, on

@@ -6,6 +6,7 @@ numbers per replay, nothing kept alive that a CUDA graph would not keep; and, th
 engine, HF code that asks whether the current stream is capturing.
 """
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -380,6 +381,27 @@ def test_emulation_setting_is_scoped_nests_and_survives_exceptions():
         return is_emulating()
 
     assert decorated() and decorated() and not is_emulating()
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenError(Exception):
+    what: str
+
+
+def test_the_emulation_setting_passes_any_exception_through_and_a_decorator_may_recurse():
+    with pytest.raises(_FrozenError):  # a generator context manager raised FrozenInstanceError
+        with emulate_graphs_on_cpu():
+            raise _FrozenError("takes no __traceback__")
+    assert not is_emulating()
+
+    @emulate_graphs_on_cpu()
+    def nested(depth):
+        return [is_emulating()] + (nested(depth - 1) if depth else [])
+
+    assert nested(2) == [True, True, True] and not is_emulating()
+    with emulate_graphs_on_cpu():  # the setting before (on) comes back after the decorated call
+        assert nested(1) == [True, True] and is_emulating()
+    assert not is_emulating()
 
 
 def test_a_recording_says_the_current_stream_is_capturing_as_cuda_does():
