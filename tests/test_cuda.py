@@ -6,6 +6,7 @@ Skipped, with the reason, where there is no GPU."""
 import copy
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -119,6 +120,45 @@ def test_a_convolution_captured_in_a_thread_that_never_ran_one():
         assert torch.equal(results[0], model(x)) and torch.equal(graphed(x), model(x))
     row, = graphed.forward.stats()
     assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 3, 1, 2)
+
+
+def _capture_in_progress():
+    """Whether a thread captures: torch then holds the default generator in capture mode, and
+    a draw from it here raises (README, "Thread safety")."""
+    try:
+        torch.randn(1, device="cuda")
+        return False
+    except RuntimeError as error:
+        assert "outside graph capture" in str(error)
+        return True
+
+
+def test_another_thread_draws_from_its_own_generator_during_a_capture():
+    """The capture registers the generators the function drew from, no other: a thread that
+    draws from a generator of its own is not stopped by another thread's capture."""
+    own = torch.Generator(device="cuda").manual_seed(0)
+
+    @autograph.graphed
+    def step(x):
+        if torch.cuda.is_current_stream_capturing():
+            time.sleep(2)  # a wide window (no shared Python object: that would be state)
+        return x * 2
+
+    worker = threading.Thread(target=lambda: [step(torch.ones(3, device="cuda"))
+                                              for _ in range(3)])
+    worker.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not _capture_in_progress():
+            assert time.monotonic() < deadline, "the worker's capture never began"
+        draw = torch.randn(4, device="cuda", generator=own)
+        assert _capture_in_progress()            # the draw was made during the capture
+    finally:
+        worker.join()
+    assert torch.equal(draw, torch.randn(4, device="cuda", generator=own.manual_seed(0)))
+    two = torch.full((3,), 2.0, device="cuda")
+    assert torch.equal(step(two), two * 2)
+    assert states(step) == [("graphed", 4, 1, 3)]
 
 
 def test_replay_on_another_stream_is_ordered():

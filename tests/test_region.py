@@ -133,6 +133,10 @@ def test_disabled_runs_every_call_eagerly_and_records_nothing(device, how, monke
 def test_regions_are_per_thread(device):
     model = Block().to(device)
     entered, done = threading.Event(), threading.Event()
+    # Drawn before the worker captures: while any thread captures, torch holds the device's
+    # default generator in capture mode, and a draw from it in another thread raises
+    # (README, "Thread safety").
+    ours = [torch.randn(2, 4, device=device) for _ in range(5)]
 
     def inside():
         with torch.no_grad(), autograph.region():
@@ -143,12 +147,14 @@ def test_regions_are_per_thread(device):
 
     worker = threading.Thread(target=inside)
     worker.start()
-    entered.wait(10)
-    with torch.no_grad():
-        for _ in range(5):                   # another thread: the region does not apply
-            model(torch.randn(2, 4, device=device))
-    done.set()
-    worker.join()
+    try:
+        entered.wait(10)
+        with torch.no_grad():
+            for x in ours:                   # another thread: the region does not apply
+                model(x)
+    finally:  # a failure here must not leave the worker's region open for the next test
+        done.set()
+        worker.join()
     assert states(model) == [("graphed", 3, 1, 2)]
     assert model.calls == 2 + 5
 
