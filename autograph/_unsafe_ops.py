@@ -127,6 +127,8 @@ def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
         return None
     if device_type != "cpu" and traits.cpu_checked and any(
             t.device.type == "cpu" for t in tensors_in(args)):
+        if traits.index == "index_put":
+            return _number_assigned(args) or (CPU_OPERATION, CPU_CONSEQUENCE)
         return CPU_OPERATION, CPU_CONSEQUENCE
     name = traits.name
     if traits.index is not None and on_device:
@@ -139,6 +141,23 @@ def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
             return None
         return _DATA_DEPENDENT_NAMES.get(name, f"torch.{name}"), _SHAPE_CONSEQUENCE
     return None
+
+
+def _number_assigned(args: tuple) -> Optional[Tuple[str, str]]:
+    """``x[index] = number`` on the GPU: torch makes the number a CPU tensor, which index_put_
+    copies from pageable memory (a capture refuses it) or, for one boolean mask, hands to
+    ``masked_fill_`` (a graph would freeze it: it may be state, not the literal). None when
+    the index or the value is not of that kind."""
+    indices, value = args[1], args[2] if len(args) > 2 else None
+    if not (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0
+            and all(i is None or i.device.type != "cpu" for i in indices)):
+        return None
+    if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        return ("x[mask] = number", "passes the number as a CPU tensor, whose value a graph "
+                "freezes at capture: write x.masked_fill_(mask, number)")
+    return ("x[index] = number", "copies the number from the host to the GPU, which a CUDA "
+            "graph cannot capture: write x.index_fill_(dim, index, number), or "
+            "x[index] = x.new_full((), number)")
 
 
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)

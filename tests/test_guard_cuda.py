@@ -114,6 +114,21 @@ def pageable_copy(x):
     return x + torch.ones(8).to("cuda")  # <- unsafe
 
 
+INDEX = None  # made on the GPU by the test, before the function runs
+
+
+def number_by_index(x):
+    y = x.clone()
+    y[INDEX] = 7.0  # <- unsafe
+    return y
+
+
+def number_by_mask(x):
+    y = x.clone()
+    y[y > 0] = 0.0  # <- unsafe
+    return y
+
+
 def empty_cache(x):
     torch.cuda.empty_cache()  # <- unsafe
     return x * 2
@@ -140,6 +155,7 @@ CATALOG = [
     (masked_select, "torch.masked_select at"), (mask_index, "boolean-mask indexing at"),
     (unique, "torch.unique at"), (cpu_compute, "computing with a CPU tensor at"),
     (pageable_copy, "a copy from pageable host memory to the GPU at"),
+    (number_by_index, "x[index] = number at"), (number_by_mask, "x[mask] = number at"),
     (empty_cache, "torch.cuda.empty_cache() at"),
     (raw_cuda_call, "a CUDA call (CUDA error: operation not permitted when stream is capturing)"),
 ]
@@ -153,7 +169,8 @@ def unsafe_line(fn):
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("fn, expected", CATALOG, ids=[c[0].__name__ for c in CATALOG])
 def test_catalog_entry_falls_back_once_at_the_users_line(fn, expected, mode, caught):
-    global EVENT
+    global EVENT, INDEX
+    INDEX = torch.tensor([0, 2], device="cuda")
     EVENT = torch.cuda.Event()
     EVENT.record()
     graphed = autograph.graphed(fn)

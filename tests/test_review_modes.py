@@ -76,7 +76,9 @@ COMPOSITE_WRITES = {
     "index_copy_": lambda s, i: s.index_copy_(0, i, torch.ones(2, 4, device=s.device)),
     "index_fill_": lambda s, i: s.index_fill_(1, i, -1.0),
     "masked_fill_": lambda s, i: s.masked_fill_(s > 5, 0.0),
-    "x[idx] = v": lambda s, i: s.__setitem__(i, 7.0),
+    # A tensor made on the device: with a Python number, index_put_ copies it from the host,
+    # which a CUDA capture refuses (the guard makes that key eager: test_guard_cuda.py).
+    "x[idx] = v": lambda s, i: s.__setitem__(i, s.new_full((), 7.0)),
     "matmul(out=)": lambda s, i: torch.matmul(torch.ones(3, 2, device=s.device),
                                              torch.ones(2, 4, device=s.device), out=s),
     "copy_ through a view": lambda s, i: s.t()[1:3].copy_(torch.zeros(2, 3, device=s.device)),
