@@ -19,7 +19,8 @@ its own bucket's cache, the warmups' writes to the caches taken back (issue 22's
 buckets in under 1 s). Two rows put that figure in context: the same capture() by a second
 function over the same shapes (autograph's own cost), and an eager step's first call at a size
 not run before against its next (the one-time work at a new shape that the first capture()
-pays at each bucket, as an eager server would).
+pays at each bucket, as an eager server would). A padded batch size is also timed in the
+exact-size graph of its bucket's rows: the GPU work of the rows the bucket runs.
 About 60-90 s on an H200: eager timing ~25 s, the rest seconds."""
 from __future__ import annotations
 
@@ -49,7 +50,11 @@ def case_decode(rows, with_compile):
     progress("one StaticCache per bucket and per exact size, prefilled")
     bucket_caches = {b: new_cache(transformers, config, model, b, MAX_CACHE, prompt)
                      for b in BUCKETS}
-    per_size = {b: new_cache(transformers, config, model, b, MAX_CACHE, prompt) for b in SIZES}
+    # Exact-size caches at each batch size and at the bucket a padded size runs in: the
+    # exact-size graph of the bucket's rows shows what the pad rows cost the GPU.
+    exact_sizes = sorted(set(SIZES) | {next(s for s in BUCKETS if s >= b) for b in SIZES})
+    per_size = {b: new_cache(transformers, config, model, b, MAX_CACHE, prompt)
+                for b in exact_sizes}
 
     def refill_all():
         for caches in (bucket_caches, per_size):
@@ -132,10 +137,14 @@ def case_decode(rows, with_compile):
             error = max((got.float() - reference.float()).abs().max().item()
                         for got in (got_exact, got_bucket))
             refill_all()
-            us = side_by_side({"eager": lambda: step(ids, pos, exact_cache),
-                               "exact": lambda: exact(ids, pos, exact_cache),
-                               "buckets": lambda: bucketed(ids, pos, bucket_cache)},
-                              calls=50, rounds=5, warmup=5)
+            variants = {"eager": lambda: step(ids, pos, exact_cache),
+                        "exact": lambda: exact(ids, pos, exact_cache),
+                        "buckets": lambda: bucketed(ids, pos, bucket_cache)}
+            padded_to = bucket_of(b)
+            if padded_to != b:
+                variants["exact at the bucket"] = lambda: exact(tokens[:padded_to], pos,
+                                                                per_size[padded_to])
+            us = side_by_side(variants, calls=50, rounds=5, warmup=5)
             tps = {k: b / v * 1e6 for k, v in us.items()}
             add_row(rows, NAME, f"batch {b}: eager", tps["eager"], unit="tok/s", kind="eager",
                     series="eager", x=b, note=f"{us['eager']:.0f} us/step")
@@ -148,8 +157,15 @@ def case_decode(rows, with_compile):
                     note=f"{us['buckets']:.0f} us/step; {tps['buckets'] / tps['eager']:.2f}x "
                          f"eager's tokens/s, {tps['buckets'] / tps['exact']:.3f}x the exact-size "
                          f"graph's; max |logit error| vs eager {error:.3g}")
+            if padded_to != b:
+                add_row(rows, NAME, f"batch {b}: autograph, exact-size graph of {padded_to} "
+                        f"rows", us["exact at the bucket"], unit="us/step", kind="autograph",
+                        note=f"the bucket's own work, unpadded: the buckets row at {b} rows "
+                             f"takes {us['buckets'] / us['exact at the bucket']:.3f}x its time "
+                             f"(what it takes beyond {b} rows' exact-size graph is the "
+                             f"{padded_to - b} pad rows' work, unless this is well above 1)")
         exact_keys = [r for r in exact.stats() if r.state == "graphed"]
-        assert len(exact_keys) == len(SIZES), exact.stats()
+        assert len(exact_keys) == len(exact_sizes), exact.stats()
         assert not [r for r in bucketed.stats() if r.state != "graphed"], bucketed.stats()
 
         progress("batch 1 latency")
