@@ -159,9 +159,12 @@ class CpuGraphs:
             try:
                 with _counting_inductor_runs(inductor_runs), _capturing_as_cuda_says(), \
                         recorder:
-                    result.outputs = run()
-            except BaseException as error:  # noqa: B902 - re-raised by the caller
-                result.error = error
+                    # Caught inside the generator context managers, which would set the
+                    # error's __traceback__ (refused by a frozen dataclass exception).
+                    try:
+                        result.outputs = run()
+                    except BaseException as error:  # noqa: B902 - re-raised by the caller
+                        result.error = error
             finally:
                 _recording.active = False
                 torch.set_autocast_cache_enabled(cache_enabled)

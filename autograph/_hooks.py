@@ -20,8 +20,7 @@ autograd graph: a graph would run them once, at capture, and never on replays.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.nn.modules import module as _module
@@ -29,16 +28,21 @@ from torch.nn.modules import module as _module
 Tensor = torch.Tensor
 
 
-@contextlib.contextmanager
-def lifted_tensor_hooks(leaves: Sequence[Tensor]) -> Iterator[None]:
-    """Run the block with the leaves' tensor hooks taken off, and put them back after."""
-    lifted = [(leaf, leaf._backward_hooks) for leaf in leaves if leaf._backward_hooks]
-    for leaf, _ in lifted:
-        leaf._backward_hooks = None
-    try:
-        yield
-    finally:
-        for leaf, hooks in lifted:
+class lifted_tensor_hooks:
+    """Run the block with the leaves' tensor hooks taken off, and put them back after. A
+    class, not a generator: the block's exception (a custom backward's) passes through
+    untouched, which ``contextlib.contextmanager`` would not do for one that takes no
+    ``__traceback__`` (a frozen dataclass)."""
+
+    def __init__(self, leaves: Sequence[Tensor]):
+        self.lifted = [(leaf, leaf._backward_hooks) for leaf in leaves if leaf._backward_hooks]
+
+    def __enter__(self) -> None:
+        for leaf, _ in self.lifted:
+            leaf._backward_hooks = None
+
+    def __exit__(self, *exc: Any) -> None:
+        for leaf, hooks in self.lifted:
             leaf._backward_hooks = hooks
 
 

@@ -202,6 +202,54 @@ def test_an_exception_raised_again_at_each_call_carries_the_note_once(device):
     assert len(shared.__notes__) == 1
 
 
+def _capturing():
+    try:
+        return torch.cuda.is_current_stream_capturing()  # the emulation says True too
+    except RuntimeError:  # a CPU-only build of torch, outside a recording
+        return False
+
+
+class _RaisingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _capturing():
+            raise _FrozenError("in the backward's capture")
+        return grad * 2
+
+
+def test_an_exception_that_takes_no_traceback_comes_out_of_a_capture_as_it_is(device):
+    """Forward and backward captures: the context managers around the function's run let its
+    exception through untouched (a generator one set its __traceback__, FrozenInstanceError)."""
+    @autograph.graphed
+    def step(x):
+        if _capturing():
+            raise _FrozenError("in the capture")
+        return x * 2
+
+    x = torch.ones(3, device=device)
+    assert torch.equal(step(x), x * 2)  # the warmup
+    for _ in range(2):  # the capture raises the function's exception; the next call retries
+        with pytest.raises(_FrozenError):
+            step(x)
+    assert [s.state for s in step.stats()] == ["warmup"]
+
+    @autograph.graphed
+    def train(x, w):
+        return _RaisingBackward.apply(x * w).sum()
+
+    w = torch.ones(3, device=device, requires_grad=True)
+    for _ in range(3):
+        train(x, w).backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 6.0, device=device))
+    row, = train.stats()
+    assert row.state == "eager" and "_FrozenError: in the backward's capture" in \
+        row.fallback_reason, row.fallback_reason
+
+
 @needs_notes
 def test_a_keyboard_interrupt_in_a_padded_run_gets_no_note_and_passes_through(device):
     def step(x, cache):
