@@ -148,8 +148,9 @@ def _number_assigned(args: tuple) -> Optional[Tuple[str, str]]:
     copies from pageable memory (a capture refuses it) or, for one boolean mask, hands to
     ``masked_fill_`` (a graph would freeze it: it may be state, not the literal). None when
     the index or the value is not of that kind."""
-    indices, value = args[1], args[2] if len(args) > 2 else None
+    target, indices, value = args[0], args[1], args[2] if len(args) > 2 else None
     if not (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0
+            and target.device.type != "cpu"
             and all(i is None or i.device.type != "cpu" for i in indices)):
         return None
     if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
