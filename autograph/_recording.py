@@ -43,8 +43,10 @@ def _refuse_if_padded(padding: Any, capture: Capture) -> None:
     """Raise ``CaptureFailed`` if the capture's run of the function raised on padded arguments
     where the call as given ran (its warmup): a guess of which arguments are batched (a weight
     whose dim 0 equals the rows by chance), not the caller's error. Nothing of the capture
-    runs; the call runs eagerly, as called."""
-    if padding is None or not padding.runs_as_called:
+    runs; the call runs eagerly, as called. A KeyboardInterrupt or SystemExit is no sign of
+    a wrong guess: it comes out, as the function's own exception does."""
+    if padding is None or not padding.runs_as_called or not isinstance(capture.error,
+                                                                       Exception):
         return
     error, capture.graph = capture.error, None  # the graph dropped now, as ``record`` does
     raise refused(

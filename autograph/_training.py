@@ -273,9 +273,10 @@ class TrainingGraph(Graph):
             _WRITES_TRAINED if "leaf Variable that requires grad" in str(error) else None))
         try:
             return cls._with_backward(request, recorded, trained, reads)
-        except CaptureFailed:
+        except BaseException:  # CaptureFailed, or a Ctrl-C in the backward's capture
             # A backward in the capture set .grad (in Python) to the memory of this discarded
-            # graph; the eager run that follows must find .grad as it was.
+            # graph; the eager run that follows (or the caller's next call) must find .grad
+            # as it was.
             recorded.survey.restore_grads()
             raise
 
@@ -338,6 +339,8 @@ class TrainingGraph(Graph):
             capture = backend.capture(run_backward, request.device, request.pool.handle,
                                       request.uses_cudnn, request.generators)
         finding = capture_failure(detector, capture)
+        if not isinstance(capture.error, (Exception, type(None))):
+            raise capture.error  # a KeyboardInterrupt or SystemExit: no capture failure
         if finding is None and capture.error is not None:
             location, source = location_in_traceback(capture.error.__traceback__)
             first = (str(capture.error).strip().splitlines() or [""])[0]

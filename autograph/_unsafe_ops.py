@@ -128,7 +128,7 @@ def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
     if device_type != "cpu" and traits.cpu_checked and any(
             t.device.type == "cpu" for t in tensors_in(args)):
         if traits.index == "index_put":
-            return _number_assigned(args) or (CPU_OPERATION, CPU_CONSEQUENCE)
+            return _number_assigned(args, kwargs) or (CPU_OPERATION, CPU_CONSEQUENCE)
         return CPU_OPERATION, CPU_CONSEQUENCE
     name = traits.name
     if traits.index is not None and on_device:
@@ -143,19 +143,24 @@ def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
     return None
 
 
-def _number_assigned(args: tuple) -> Optional[Tuple[str, str]]:
+def _number_assigned(args: tuple, kwargs: dict) -> Optional[Tuple[str, str]]:
     """``x[index] = number`` on the GPU: torch makes the number a CPU tensor, which index_put_
     copies from pageable memory (a capture refuses it) or, for one boolean mask, hands to
     ``masked_fill_`` (a graph would freeze it: it may be state, not the literal). None when
-    the index or the value is not of that kind."""
-    target, indices, value = args[0], args[1], args[2] if len(args) > 2 else None
-    if not (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0
-            and target.device.type != "cpu"
+    the index or the value is not of that kind, or when it accumulates (no assignment)."""
+    target = args[0] if args else kwargs.get("self")
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    if accumulate or not (
+            isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0
+            and isinstance(target, torch.Tensor) and target.device.type != "cpu"
             and all(i is None or i.device.type != "cpu" for i in indices)):
         return None
     if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
         return ("x[mask] = number", "passes the number as a CPU tensor, whose value a graph "
-                "freezes at capture: write x.masked_fill_(mask, number)")
+                "freezes at capture: write x.masked_fill_(mask, number) with a bool mask of "
+                "x's shape (a mask over x's leading dims as mask[..., None])")
     return ("x[index] = number", "copies the number from the host to the GPU, which a CUDA "
             "graph cannot capture: write x.index_fill_(dim, index, number), or "
             "x[index] = x.new_full((), number)")

@@ -2,8 +2,12 @@
 autograph as itself (9978e94, 3ea1b83), and the guard's naming of ``x[index] = number`` /
 ``x[mask] = number`` (6577bcc, a684f7a).
 
-xfail(strict=True) tests are defects found here (each reason names the cause); the rest guard
-what held: exceptions that refuse attributes, and BaseExceptions, raised in every phase."""
+The defects it found are fixed in the same session, their tests kept: a Ctrl-C during a padded
+capture or a backward's capture was swallowed (made a capture failure, the key eager for
+good); ``_number_assigned`` crashed on keyword arguments, named an accumulating index_put_ an
+assignment, and named ``masked_fill_(mask, number)`` for a mask over rows, which fills columns.
+The rest guard what held: exceptions that refuse attributes, and BaseExceptions, raised in
+every phase."""
 import dataclasses
 
 import pytest
@@ -240,10 +244,6 @@ def test_the_emulation_class_reused_as_a_decorator_and_a_block_under_exceptions(
 
 # --- defects -------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_recording._refuse_if_padded turns any exception of a padded capture, BaseException "
-    "included, into CaptureFailed: a Ctrl-C during the capture is swallowed, the call runs "
-    "eagerly and returns, and the key is eager for good with 'KeyboardInterrupt' as reason"))
 def test_a_keyboard_interrupt_during_a_padded_capture_comes_out(device):
     @autograph.graphed(buckets=[4])
     def f(x):
@@ -273,10 +273,6 @@ class _InterruptedBackward(torch.autograd.Function):
         return grad * 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_training.TrainingGraph._record_backward names any capture.error, BaseException "
-    "included, as 'its backward could not be captured' (CaptureFailed): a Ctrl-C during the "
-    "backward's capture is swallowed and the key is eager for good"))
 def test_a_keyboard_interrupt_during_a_backward_capture_comes_out(device):
     @autograph.graphed
     def train(x, w):
@@ -291,28 +287,30 @@ def test_a_keyboard_interrupt_during_a_backward_capture_comes_out(device):
         _assert_clean()
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason=(
-    "_unsafe_ops._number_assigned reads args[1] unconditionally: an index_put_ given its "
-    "indices and values by keyword with a CPU target (unsafe_op's neighbour branch reads "
-    "kwargs['indices']) raises IndexError instead of naming the CPU work"))
 def test_number_assigned_takes_keyword_arguments():
     finding = unsafe_op(_aten.index_put_.default, (torch.zeros(4),),
                         {"indices": [torch.tensor([0])], "values": torch.tensor(7.0)}, "cuda")
     assert finding is not None and finding[0] == "computing with a CPU tensor"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_unsafe_ops._number_assigned names the fix x.masked_fill_(mask, number) for any mask, "
-    "but masked_fill_ broadcasts the mask from the last dim: for a mask over rows of a square "
-    "matrix it fills columns (x[mask] = 0 zeroes row 0; the fix zeroes column 0), and for a "
-    "non-square one it raises; masked_fill_ also refuses a uint8 mask"))
 def test_the_fix_named_for_a_row_mask_does_what_the_assignment_does():
+    """Review 10 found masked_fill_(mask, number) named for any mask: masked_fill_ broadcasts
+    the mask from the last dim, so for a mask over rows it filled columns. The fix now says
+    how to shape the mask, and the shaped mask does what the assignment does."""
     x = torch.arange(16.0).view(4, 4)
     mask = torch.tensor([True, False, False, False])
     assigned = x.clone()
     assigned[mask] = 0.0
-    assert not torch.equal(x.clone().masked_fill_(mask, 0.0), assigned)  # the fix, as named
+    assert torch.equal(x.clone().masked_fill_(mask[..., None], 0.0), assigned)
     target = torch.empty(4, 4, device="meta")
-    _, consequence = unsafe_op(_aten.index_put_.default,
-                               (target, [mask.to("meta")], torch.tensor(0.0)), {}, "cuda")
-    assert "masked_fill_(mask, number)" not in consequence, consequence
+    for given in (mask, mask.to(torch.uint8)):
+        _, consequence = unsafe_op(_aten.index_put_.default,
+                                   (target, [given.to("meta")], torch.tensor(0.0)), {}, "cuda")
+        assert "bool mask of x's shape" in consequence and "mask[..., None]" in consequence
+
+
+def test_an_accumulating_index_put_of_a_number_is_not_named_an_assignment():
+    target, index = torch.empty(4, device="meta"), torch.tensor([0, 2], device="meta")
+    operation, _ = unsafe_op(_aten.index_put_.default,
+                             (target, [index], torch.tensor(1.0), True), {}, "cuda")
+    assert operation == "computing with a CPU tensor"
