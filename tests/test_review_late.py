@@ -202,23 +202,27 @@ def test_an_exception_raised_again_at_each_call_carries_the_note_once(device):
     assert len(shared.__notes__) == 1
 
 
-def _capturing():
+def capturing():
     try:
         return torch.cuda.is_current_stream_capturing()  # the emulation says True too
     except RuntimeError:  # a CPU-only build of torch, outside a recording
         return False
 
 
-class _RaisingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
+def raising_backward_at_capture(make_error):
+    """An autograd Function doubling its input whose backward raises ``make_error()`` while
+    a capture runs it (and only then)."""
+    class RaisingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
 
-    @staticmethod
-    def backward(ctx, grad):
-        if _capturing():
-            raise _FrozenError("in the backward's capture")
-        return grad * 2
+        @staticmethod
+        def backward(ctx, grad):
+            if capturing():
+                raise make_error()
+            return grad * 2
+    return RaisingBackward
 
 
 def test_an_exception_that_takes_no_traceback_comes_out_of_a_capture_as_it_is(device):
@@ -226,7 +230,7 @@ def test_an_exception_that_takes_no_traceback_comes_out_of_a_capture_as_it_is(de
     exception through untouched (a generator one set its __traceback__, FrozenInstanceError)."""
     @autograph.graphed
     def step(x):
-        if _capturing():
+        if capturing():
             raise _FrozenError("in the capture")
         return x * 2
 
@@ -237,13 +241,16 @@ def test_an_exception_that_takes_no_traceback_comes_out_of_a_capture_as_it_is(de
             step(x)
     assert [s.state for s in step.stats()] == ["warmup"]
 
+    raising = raising_backward_at_capture(lambda: _FrozenError("in the backward's capture"))
+
     @autograph.graphed
     def train(x, w):
-        return _RaisingBackward.apply(x * w).sum()
+        return raising.apply(x * w).sum()
 
     w = torch.ones(3, device=device, requires_grad=True)
-    for _ in range(3):
-        train(x, w).backward()
+    with pytest.warns(autograph.AutographWarning, match="its backward .* could not be captured"):
+        for _ in range(3):
+            train(x, w).backward()
     torch.testing.assert_close(w.grad, torch.full((3,), 6.0, device=device))
     row, = train.stats()
     assert row.state == "eager" and "_FrozenError: in the backward's capture" in \

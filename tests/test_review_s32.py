@@ -17,8 +17,8 @@ import autograph
 from autograph import _scope
 from autograph._unsafe_ops import unsafe_op
 from autograph._cpu_graphs import emulate_graphs_on_cpu, is_emulating
-from conftest import states
 from test_modes import modes_on_the_stack
+from test_review_late import capturing as _capturing, raising_backward_at_capture
 
 _aten = torch.ops.aten
 
@@ -41,13 +41,6 @@ EXCEPTIONS = {"frozen dataclass": lambda: _Frozen("x"),
               "__setattr__ raises": lambda: _RefusesAttributes("y"),
               "__slots__": lambda: _Slotted("z"), "KeyboardInterrupt": KeyboardInterrupt,
               "SystemExit": lambda: SystemExit(3), "GeneratorExit": GeneratorExit}
-
-
-def _capturing():
-    try:
-        return torch.cuda.is_current_stream_capturing()  # the emulation says True too
-    except RuntimeError:  # a CPU-only build of torch, outside a recording
-        return False
 
 
 def _switch():
@@ -86,15 +79,18 @@ def _phases(device, error):
     """name -> (a call that raises ``error``, a later call that must work)."""
     x = torch.ones(2, 4, device=device)
 
-    def warmup():
-        @autograph.graphed
+    def raising_at_every_call(rows, **options):
+        @autograph.graphed(**options)
         def f(x):
             if switch.on:
                 raise error
             return x * 2
         switch = _switch()
         switch.on = True
-        return lambda: f(x), lambda: (setattr(switch, "on", False), f(x))
+        return lambda: f(rows), lambda: (setattr(switch, "on", False), f(rows))
+
+    def warmup():
+        return raising_at_every_call(x)
 
     def capture():
         @autograph.graphed
@@ -154,15 +150,7 @@ def _phases(device, error):
         return call, lambda: (setattr(switch, "on", False), call())
 
     def padded_warmup():
-        @autograph.graphed(buckets=[4])
-        def f(x):
-            if switch.on:
-                raise error
-            return x * 2
-        switch = _switch()
-        switch.on = True
-        rows = torch.ones(3, 2, device=device)
-        return lambda: f(rows), lambda: (setattr(switch, "on", False), f(rows))
+        return raising_at_every_call(torch.ones(3, 2, device=device), buckets=[4])
 
     def ahead_per_bucket():
         @autograph.graphed(buckets=[2, 4], static_argnames=("cache",), bucket_outputs=0)
@@ -210,6 +198,8 @@ PHASES = ["warmup", "capture", "verify", "eager_key", "island_capture", "region_
           "padded_warmup", "ahead_per_bucket", "training_forward_capture", "compiled_capture"]
 
 
+# The eager-key and island phases make their keys eager on purpose (a host read).
+@pytest.mark.filterwarnings("ignore::autograph.AutographWarning")
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("kind", list(EXCEPTIONS))
 def test_the_functions_exception_comes_out_as_itself_from_every_phase(device, phase, kind):
@@ -261,16 +251,8 @@ def test_a_keyboard_interrupt_during_a_padded_capture_comes_out(device):
     assert [s.state for s in f.stats()] != ["eager"], f.stats()
 
 
-class _InterruptedBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        if _capturing():
-            raise KeyboardInterrupt  # as a Ctrl-C arriving during the backward's capture
-        return grad * 2
+# As a Ctrl-C arriving during the backward's capture.
+_InterruptedBackward = raising_backward_at_capture(KeyboardInterrupt)
 
 
 def test_a_keyboard_interrupt_during_a_backward_capture_comes_out(device):
