@@ -17,6 +17,12 @@ class Cache:
         self.entries.append(entry)
         return self.churn.new_key(self.entries, [f"mask: i64[1, {size}] cpu"])
 
+    def graphed_key(self, replays=0):
+        """A key with a graph (a served model's decode step), its replays for the test to add."""
+        entry = SimpleNamespace(replays=replays, graph=object())
+        self.entries.append(entry)
+        return entry
+
     def pass_calls(self, n):
         """n calls through the engine's hot-path test; how many passed through."""
         passed = 0
@@ -47,8 +53,7 @@ def test_a_function_that_never_churned_has_no_row_and_never_passes():
 def test_a_graph_that_replays_between_new_keys_keeps_calls_keyed():
     # A served model: its decode step is graphed and replays; each prefill is a new length.
     cache = Cache(Churn("f", window=4))
-    decode = SimpleNamespace(replays=0, graph=object())
-    cache.entries.append(decode)
+    decode = cache.graphed_key()
     for n in range(20):
         decode.replays += 5
         assert not cache.new_key(n)
@@ -117,8 +122,7 @@ def test_keys_that_die_before_they_repeat_pass_through_after_two():
 def test_a_replay_between_dying_keys_keeps_calls_keyed():
     # A request-scoped cache: its prefill's key dies, but its decode step's graph replays.
     cache = Cache(Churn("f", window=16))
-    decode = SimpleNamespace(replays=0, graph=object())
-    cache.entries.append(decode)
+    decode = cache.graphed_key()
     for n in range(10):
         decode.replays += 5
         cache.churn.key_died(SimpleNamespace(graph=None, calls=1, replays=0))
@@ -150,7 +154,7 @@ def test_the_row_stays_with_its_count_once_a_replay_ends_the_episode():
     cache = Cache(Churn("f", window=2, first=4))
     cache.new_key(0), cache.new_key(1)
     assert cache.pass_calls(10) == 4
-    cache.entries.append(SimpleNamespace(replays=3, graph=object()))  # a graph replays
+    cache.graphed_key(replays=3)  # a graph replays
     assert not cache.new_key(2)  # the look's new key: the episode is over
     row = cache.churn.stats()
     assert row.calls == 4 and "ended when a graph replayed" in row.fallback_reason
