@@ -44,13 +44,13 @@ class PackedGradients:
         for i, grad in enumerate(grads):
             if grad is not None:
                 groups.setdefault(i if i < alone else (grad.dtype, grad.device), []).append(i)
-        self.groups: List[Tuple[Tensor, List[Tuple[int, int, torch.Size]], bool]] = []
+        self.groups: List[Tuple[Tensor, List[Tuple[int, int, torch.Size]]]] = []
         order: List[int] = []
-        for key, members in groups.items():
+        for members in groups.values():
             members.sort(key=lambda i: tuple(grads[i].shape))  # stable: same shapes together
             order += members
             self.groups.append((_flatten_dense_tensors([grads[i] for i in members]),
-                                _runs([grads[i].shape for i in members]), isinstance(key, int)))
+                                _runs([grads[i].shape for i in members])))
         # Where each gradient is in the list of views (the last entry stands for None).
         where = [len(order)] * len(grads)
         for position, i in enumerate(order):
@@ -59,7 +59,7 @@ class PackedGradients:
 
     def hand_out(self, needed: Sequence[bool]) -> List[Optional[Tensor]]:
         views: List[Optional[Tensor]] = []
-        for packed, runs, _ in self.groups:
+        for packed, runs in self.groups:
             views += _cut(packed.clone(), runs)
         views.append(None)
         picked = list(self._pick(views))[:-1]
