@@ -33,7 +33,7 @@ from ._outputs import flatten_output
 from ._payoff import measurement, timed_call
 from ._profile import profile_range, torch_profiler
 from ._python_state import PythonState, per_call_reason
-from ._ranks import CollectiveWatch, agreed_failure, distributed_is_on
+from .distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ._reads import CallWatch, roots_of, shares_state, shares_written_memory
 from ._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls

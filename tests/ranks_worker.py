@@ -92,7 +92,7 @@ def scenarios(rank, device):
 def unmatched_vote(rank, device):
     """Rank 0 votes on a capture that rank 1 never makes, then both run a collective: the vote
     (in the store) times out on rank 0 and pairs with nothing, and the collective is right."""
-    from autograph import _ranks
+    from autograph.distributed import _ranks
 
     before, _ranks.VOTE_TIMEOUT = _ranks.VOTE_TIMEOUT, datetime.timedelta(seconds=2)
     try:
