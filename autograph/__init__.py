@@ -13,7 +13,7 @@ says why and where. See the README, and docs/design.md for how it is built.
 """
 from typing import Any
 
-from ._cuda_graphs import capture_stream
+from .backends._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
 from ._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
 from ._per_bucket import per_bucket

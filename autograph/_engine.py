@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from . import _config, _devices, _stats
+from . import _config, _stats
+from .backends import _devices
 from ._buckets import BucketRule, Padding, bucket_key, family_key
 from ._config import Options
 from ._key_cache import KeyCache

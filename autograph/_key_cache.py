@@ -22,7 +22,7 @@ from ._config import Options
 from ._islands import island_rows
 from ._key_life import KeyLife
 from ._last_key import LastKey
-from ._pool import Pools
+from .backends._pool import Pools
 from ._stats import KeyStats
 
 

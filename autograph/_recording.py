@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ._backend import Capture
+from .backends._backend import Capture
 from ._guard import Finding, UnsafeOpDetector, classify_capture_error
 from ._plan import InputPlan, OutputPlan, UnplannableOutput
 from ._outputs import flatten_output

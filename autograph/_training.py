@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._backend import Capture
+from .backends._backend import Capture
 from ._config import logger
 from ._graph import Graph
 from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
@@ -53,7 +53,7 @@ from ._plan import InputPlan, copy_all
 from ._reads import Survey
 from ._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
 from ._recording import refused as _refused
-from ._streams import on_stream
+from .backends._streams import on_stream
 
 Tensor = torch.Tensor
 

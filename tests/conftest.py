@@ -91,7 +91,7 @@ def _no_payoff_timings(request, monkeypatch):
     Tests of graph behaviour need every key to keep its graph, so the CUDA clock is off
     except in tests marked ``payoff`` (the emulation has none unless a test sets one)."""
     if request.node.get_closest_marker("payoff") is None:
-        from autograph._cuda_graphs import CudaGraphs
+        from autograph.backends._cuda_graphs import CudaGraphs
         monkeypatch.setattr(CudaGraphs, "payoff_clock", staticmethod(lambda device: None))
 
 

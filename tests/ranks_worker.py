@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autograph
-from autograph._cuda_graphs import CudaGraphs
+from autograph.backends._cuda_graphs import CudaGraphs
 from autograph.testing import emulate_graphs_on_cpu
 
 # As conftest does for the tests: keys keep their graphs whatever their measured timings

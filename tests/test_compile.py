@@ -7,7 +7,7 @@ from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 import autograph
-from autograph._cpu_graphs import CpuGraphs
+from autograph.backends._cpu_graphs import CpuGraphs
 from conftest import requires_cuda
 
 

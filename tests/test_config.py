@@ -77,7 +77,7 @@ def test_bad_environment_fails_at_import():
 
 DISABLED_PROGRAM = """
 import torch, autograph
-from autograph._cpu_graphs import emulate_graphs_on_cpu
+from autograph.backends._cpu_graphs import emulate_graphs_on_cpu
 from conftest import python_run_log
 log_run = python_run_log()
 @autograph.graphed

@@ -179,7 +179,7 @@ def test_replay_on_another_stream_is_ordered():
 
 
 def test_on_stream_switches_the_stream_and_gives_the_caller_back_after_an_error():
-    from autograph._streams import current_stream, on_stream
+    from autograph.backends._streams import current_stream, on_stream
 
     side, caller = torch.cuda.Stream(), torch.cuda.current_stream()
     device = torch.cuda.current_device()

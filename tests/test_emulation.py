@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import autograph
 import autograph.testing
-from autograph._cpu_graphs import CPU, CpuGraph, emulate_graphs_on_cpu, is_emulating
+from autograph.backends._cpu_graphs import CPU, CpuGraph, emulate_graphs_on_cpu, is_emulating
 from autograph.testing import emulate_graphs_on_cpu as public_emulate_graphs_on_cpu
 from conftest import autograph_warnings
 

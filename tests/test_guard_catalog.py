@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autograph._cuda_graphs import CUDA
+from autograph.backends._cuda_graphs import CUDA
 from autograph._guard import (GuardError, UnsafeOpDetector, classify_capture_error,
                               optimizer_running)
 from conftest import requires_cuda

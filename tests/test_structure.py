@@ -141,7 +141,7 @@ def _import_seconds():
             "import autograph\n"
             "print(time.perf_counter() - wall, time.process_time() - cpu)\n"
             "print(' '.join(m for m in ('torch._dynamo', 'torch._inductor', 'sympy', 'triton',"
-            " 'autograph._cpu_graphs') if m in sys.modules))\n")
+            " 'autograph.backends._cpu_graphs') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     times, loaded = (out.stdout.splitlines() + [""])[:2]

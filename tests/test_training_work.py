@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autograph
-from autograph import _cpu_graphs
+from autograph.backends import _cpu_graphs
 from conftest import states
 
 from test_training import batches, grads_of, mlp, same

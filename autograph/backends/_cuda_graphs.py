@@ -24,8 +24,8 @@ from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Set,
 import torch
 
 from ._backend import Capture
-from ._config import logger
-from ._payoff import CudaClock
+from .._config import logger
+from .._payoff import CudaClock
 from ._streams import on_stream
 
 
