@@ -26,10 +26,10 @@ from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
 from ._keys import call_key
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
-from ._python_state import PythonState, per_call_reason
+from .watch._python_state import PythonState, per_call_reason
 from ._scope import current_region, nested_calls
 from ._stats import KeyStats
-from ._undo import UndoWrites
+from .watch._undo import UndoWrites
 from ._warn import warn_user
 
 Tensor = torch.Tensor

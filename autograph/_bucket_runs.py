@@ -34,9 +34,9 @@ from ._batch_dims import real_rows
 from ._buckets import padded_arguments
 from ._outputs import flatten_output
 from ._profile import profile_range
-from ._reads import storage_ptr
+from .watch._reads import storage_ptr
 from ._row_mixing import SavedState, mixes_rows
-from ._size_reads import NumbersOf, size_read
+from .watch._size_reads import NumbersOf, size_read
 from ._verify import verified_replay
 
 Tensor = torch.Tensor

@@ -27,14 +27,14 @@ from ._bucket_runs import (capture_call, capture_replay, first_padded_replay, ru
 from ._config import Options, logger
 from ._errors import CaptureError
 from ._graph import Graph
-from ._guard import LibraryUse
+from .watch._guard import LibraryUse
 from ._islands import eager_scope, in_an_island
 from ._outputs import flatten_output
 from ._payoff import measurement, timed_call
 from ._profile import profile_range, torch_profiler
-from ._python_state import PythonState, per_call_reason
+from .watch._python_state import PythonState, per_call_reason
 from .distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from ._reads import CallWatch, roots_of, shares_state, shares_written_memory
+from .watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
 from ._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats

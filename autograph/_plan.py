@@ -26,7 +26,7 @@ import torch
 from ._batch_dims import real_rows
 from ._config import logger
 from ._outputs import flatten_arguments, flatten_output
-from ._reads import storage_ptr
+from .watch._reads import storage_ptr
 
 Tensor = torch.Tensor
 

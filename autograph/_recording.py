@@ -19,10 +19,10 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 
 from .backends._backend import Capture
-from ._guard import Finding, UnsafeOpDetector, classify_capture_error
+from .watch._guard import Finding, UnsafeOpDetector, classify_capture_error
 from ._plan import InputPlan, OutputPlan, UnplannableOutput
 from ._outputs import flatten_output
-from ._reads import CallWatch, Survey, storage_ptr
+from .watch._reads import CallWatch, Survey, storage_ptr
 
 Tensor = torch.Tensor
 

@@ -45,12 +45,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .backends._backend import Capture
 from ._config import logger
 from ._graph import Graph
-from ._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
+from .watch._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
-from ._modes import tensors_in
+from .watch._modes import tensors_in
 from ._packed_grads import PackedGradients
 from ._plan import InputPlan, copy_all
-from ._reads import Survey
+from .watch._reads import Survey
 from ._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
 from ._recording import refused as _refused
 from .backends._streams import on_stream

@@ -27,9 +27,9 @@ from ._keys import describe_tensor
 from ._outputs import flatten_arguments, output_node
 from ._profile import profile_range
 from ._config import logger
-from ._reads import Survey, written_tensors
+from .watch._reads import Survey, written_tensors
 from ._scope import nested_calls
-from ._undo import UndoWrites
+from .watch._undo import UndoWrites
 
 Tensor = torch.Tensor
 

@@ -13,7 +13,7 @@ from types import FrameType
 from typing import Optional
 
 from ._errors import AutographWarning
-from ._guard import is_user_file
+from .watch._guard import is_user_file
 
 
 def warn_user(message: str) -> None:

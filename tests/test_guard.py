@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from autograph._guard import (Finding, GuardError, UnsafeOpDetector,
+from autograph.watch._guard import (Finding, GuardError, UnsafeOpDetector,
                               classify_capture_error)
 
 
@@ -135,7 +135,7 @@ def observe_free(fn):
 
 
 def test_pageable_copy_to_the_device_is_flagged():
-    from autograph._unsafe_ops import unsafe_op
+    from autograph.watch._unsafe_ops import unsafe_op
     x = torch.ones(3)
     op = torch.ops.aten._to_copy.default
     assert unsafe_op(op, (x,), {"device": torch.device("cuda")}, "cuda")[0].startswith(

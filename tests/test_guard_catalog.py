@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autograph.backends._cuda_graphs import CUDA
-from autograph._guard import (GuardError, UnsafeOpDetector, classify_capture_error,
+from autograph.watch._guard import (GuardError, UnsafeOpDetector, classify_capture_error,
                               optimizer_running)
 from conftest import requires_cuda
 

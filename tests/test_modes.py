@@ -4,12 +4,12 @@ whole or in parts as each observer asks."""
 import pytest
 import torch
 
-from autograph._guard import GuardError, LibraryUse, UnsafeOpDetector
-from autograph._modes import BOTH, PARTS, WHOLE, Observer, OpWatch
-from autograph._reads import CallWatch
-from autograph._size_reads import NumbersOf
-from autograph._unsafe_ops import CPU_OPERATION
-from autograph._undo import UndoWrites
+from autograph.watch._guard import GuardError, LibraryUse, UnsafeOpDetector
+from autograph.watch._modes import BOTH, PARTS, WHOLE, Observer, OpWatch
+from autograph.watch._reads import CallWatch
+from autograph.watch._size_reads import NumbersOf
+from autograph.watch._unsafe_ops import CPU_OPERATION
+from autograph.watch._undo import UndoWrites
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 

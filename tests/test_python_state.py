@@ -1,4 +1,4 @@
-"""Python state a call changes (issue 27; issue 21 item 8): ``autograph._python_state`` on its
+"""Python state a call changes (issue 27; issue 21 item 8): ``autograph.watch._python_state`` on its
 own (what a snapshot sees, names and takes back), then end to end through the engine (a key's
 capture compares the state before and after its run of the Python; ``capture()`` takes back
 what its warmups made)."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import autograph
-from autograph._python_state import PythonState, per_call_reason
-from autograph._reads import roots_of
+from autograph.watch._python_state import PythonState, per_call_reason
+from autograph.watch._reads import roots_of
 from conftest import autograph_warnings, states
 
 def state_of(fn, instance=None, args=(), kwargs=None, **options):

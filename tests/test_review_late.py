@@ -13,12 +13,12 @@ import torch
 import wrapt
 
 import autograph
-from autograph._guard import UnsafeOpDetector
-from autograph._modes import BOTH, PARTS, WHOLE
-from autograph._python_state import PythonState
-from autograph._reads import CallWatch
-from autograph._size_reads import NumbersOf
-from autograph._undo import UndoWrites
+from autograph.watch._guard import UnsafeOpDetector
+from autograph.watch._modes import BOTH, PARTS, WHOLE
+from autograph.watch._python_state import PythonState
+from autograph.watch._reads import CallWatch
+from autograph.watch._size_reads import NumbersOf
+from autograph.watch._undo import UndoWrites
 from conftest import states
 from test_modes import Names, modes_on_the_stack
 

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import autograph
-from autograph._guard import LibraryUse, UnsafeOpDetector
+from autograph.watch._guard import LibraryUse, UnsafeOpDetector
 from conftest import states
 
 

@@ -15,7 +15,7 @@ import torch
 
 import autograph
 from autograph import _scope
-from autograph._unsafe_ops import unsafe_op
+from autograph.watch._unsafe_ops import unsafe_op
 from autograph.backends._cpu_graphs import emulate_graphs_on_cpu, is_emulating
 from test_modes import modes_on_the_stack
 from test_review_late import capturing as _capturing, raising_backward_at_capture

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import autograph
-from autograph._guard import UnsafeOpDetector
-from autograph._modes import PARTS, Observer
-from autograph._unsafe_ops import CPU_OPERATION
+from autograph.watch._guard import UnsafeOpDetector
+from autograph.watch._modes import PARTS, Observer
+from autograph.watch._unsafe_ops import CPU_OPERATION
 from conftest import requires_cuda, states
 
 

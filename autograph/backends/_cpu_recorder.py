@@ -18,10 +18,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from .._modes import CompiledCodeRunsUnder, run_apart, tensors_in
+from ..watch._modes import CompiledCodeRunsUnder, run_apart, tensors_in
 from ..distributed._ranks import COLLECTIVE_NAMESPACES
-from .._reads import written_tensors
-from .._unsafe_ops import composite_keys
+from ..watch._reads import written_tensors
+from ..watch._unsafe_ops import composite_keys
 
 _aten = torch.ops.aten
 

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .._config import logger
-from .._modes import CompiledCodeRunsUnder
+from ..watch._modes import CompiledCodeRunsUnder
 
 # Namespaces of the ops that torch.distributed's collectives reach the dispatcher as: the
 # process-group API (dist.all_reduce) and the functional collectives (tensor parallelism).
