@@ -23,7 +23,7 @@ from ._buckets import BucketRule, Padding, bucket_key, family_key, padded_argume
 from ._config import Options, logger
 from ._key_cache import KeyCache
 from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
-from ._keys import call_key
+from .capture._keys import call_key
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
 from .watch._python_state import PythonState, per_call_reason

@@ -32,7 +32,7 @@ import torch
 
 from ._batch_dims import real_rows
 from ._buckets import padded_arguments
-from ._outputs import flatten_output
+from .capture._outputs import flatten_output
 from ._profile import profile_range
 from .watch._reads import storage_ptr
 from ._row_mixing import SavedState, mixes_rows

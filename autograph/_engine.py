@@ -29,7 +29,7 @@ from ._buckets import BucketRule, Padding, bucket_key, family_key
 from ._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife
-from ._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
+from .capture._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
 from ._scope import nested_calls, thread
 from ._warn import warn_user
 

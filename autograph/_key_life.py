@@ -26,16 +26,16 @@ from ._bucket_runs import (capture_call, capture_replay, first_padded_replay, ru
                            slices_unknown, state_written)
 from ._config import Options, logger
 from ._errors import CaptureError
-from ._graph import Graph
+from .capture._graph import Graph
 from .watch._guard import LibraryUse
 from ._islands import eager_scope, in_an_island
-from ._outputs import flatten_output
+from .capture._outputs import flatten_output
 from ._payoff import measurement, timed_call
 from ._profile import profile_range, torch_profiler
 from .watch._python_state import PythonState, per_call_reason
 from .distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from .watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
-from ._recording import CaptureFailed, CaptureRequest
+from .capture._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
 from ._training import TrainingGraph

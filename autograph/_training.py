@@ -44,15 +44,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .backends._backend import Capture
 from ._config import logger
-from ._graph import Graph
+from .capture._graph import Graph
 from .watch._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
 from .watch._modes import tensors_in
 from ._packed_grads import PackedGradients
-from ._plan import InputPlan, copy_all
+from .capture._plan import InputPlan, copy_all
 from .watch._reads import Survey
-from ._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
-from ._recording import refused as _refused
+from .capture._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
+from .capture._recording import refused as _refused
 from .backends._streams import on_stream
 
 Tensor = torch.Tensor

@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
-from ._keys import describe_tensor
-from ._outputs import flatten_arguments, output_node
+from .capture._keys import describe_tensor
+from .capture._outputs import flatten_arguments, output_node
 from ._profile import profile_range
 from ._config import logger
 from .watch._reads import Survey, written_tensors

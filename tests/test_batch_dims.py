@@ -4,7 +4,7 @@ import torch
 
 from autograph._batch_dims import BatchShapes, named_dims, real_rows
 from autograph._buckets import BucketRule, family_key
-from autograph._keys import call_key
+from autograph.capture._keys import call_key
 
 
 def shapes_of(runs, named=None):

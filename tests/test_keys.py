@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import autograph
-from autograph._keys import call_key, describe_call, execution_state
-from autograph._outputs import flatten_output
+from autograph.capture._keys import call_key, describe_call, execution_state
+from autograph.capture._outputs import flatten_output
 from conftest import states
 
 

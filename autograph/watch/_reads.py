@@ -27,7 +27,7 @@ from typing import (Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, S
 
 import torch
 
-from .._keys import describe_tensor
+from ..capture._keys import describe_tensor
 from ._modes import Observer, tensors_in
 
 Tensor = torch.Tensor

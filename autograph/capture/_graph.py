@@ -16,9 +16,9 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 import torch
 
 from ._plan import InputPlan
-from .watch._reads import GradSlots, ReadWatch, Survey
+from ..watch._reads import GradSlots, ReadWatch, Survey
 from ._recording import CaptureRequest, Recorded, record
-from .watch._slots import GeneratorSlots, SlotWatch, registrations
+from ..watch._slots import GeneratorSlots, SlotWatch, registrations
 
 Tensor = torch.Tensor
 

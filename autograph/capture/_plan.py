@@ -23,10 +23,10 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from ._batch_dims import real_rows
-from ._config import logger
+from .._batch_dims import real_rows
+from .._config import logger
 from ._outputs import flatten_arguments, flatten_output
-from .watch._reads import storage_ptr
+from ..watch._reads import storage_ptr
 
 Tensor = torch.Tensor
 

@@ -18,11 +18,11 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from .backends._backend import Capture
-from .watch._guard import Finding, UnsafeOpDetector, classify_capture_error
+from ..backends._backend import Capture
+from ..watch._guard import Finding, UnsafeOpDetector, classify_capture_error
 from ._plan import InputPlan, OutputPlan, UnplannableOutput
 from ._outputs import flatten_output
-from .watch._reads import CallWatch, Survey, storage_ptr
+from ..watch._reads import CallWatch, Survey, storage_ptr
 
 Tensor = torch.Tensor
 
