@@ -20,7 +20,7 @@ from ._per_bucket import per_bucket
 from ._region import Region, RegionStats, region
 from ._report import report, reset, stats
 from ._stats import KeyStats
-from ._verify import VERIFY_TOLERANCES
+from .policy._verify import VERIFY_TOLERANCES
 
 __version__ = "0.2.0.dev0"
 

@@ -37,7 +37,7 @@ from ._profile import profile_range
 from .watch._reads import storage_ptr
 from ._row_mixing import SavedState, mixes_rows
 from .watch._size_reads import NumbersOf, size_read
-from ._verify import verified_replay
+from .policy._verify import verified_replay
 
 Tensor = torch.Tensor
 

@@ -17,9 +17,9 @@ import weakref
 from typing import Any, Dict, List, Set, Tuple
 
 from ._batch_dims import BatchShapes
-from ._churn import Churn
+from .policy._churn import Churn
 from ._config import Options
-from ._islands import island_rows
+from .policy._islands import island_rows
 from ._key_life import KeyLife
 from ._last_key import LastKey
 from .backends._pool import Pools

@@ -28,9 +28,9 @@ from ._config import Options, logger
 from ._errors import CaptureError
 from .capture._graph import Graph
 from .watch._guard import LibraryUse
-from ._islands import eager_scope, in_an_island
+from .policy._islands import eager_scope, in_an_island
 from .capture._outputs import flatten_output
-from ._payoff import measurement, timed_call
+from .policy._payoff import measurement, timed_call
 from ._profile import profile_range, torch_profiler
 from .watch._python_state import PythonState, per_call_reason
 from .distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
@@ -39,7 +39,7 @@ from .capture._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
 from ._training import TrainingGraph
-from ._verify import checked_replay
+from .policy._verify import checked_replay
 from ._warn import warn_user
 
 Tensor = torch.Tensor

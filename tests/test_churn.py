@@ -2,7 +2,7 @@
 and what its report row says. The engine's use of it is tested in test_slower.py."""
 from types import SimpleNamespace
 
-from autograph._churn import Churn
+from autograph.policy._churn import Churn
 
 
 class Cache:

@@ -25,7 +25,7 @@ import torch
 
 from ._backend import Capture
 from .._config import logger
-from .._payoff import CudaClock
+from ..policy._payoff import CudaClock
 from ._streams import on_stream
 
 

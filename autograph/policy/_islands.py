@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ContextManager, Dict, List, Optional
 
-from ._scope import current_region, inside_a_graphed_call, nested_calls
-from ._stats import KeyStats
+from .._scope import current_region, inside_a_graphed_call, nested_calls
+from .._stats import KeyStats
 
 # The options a key's island takes from the key: those that are not about its own arguments.
 _CARRIED = ("warmup", "outputs", "max_graphs", "verify")

@@ -23,13 +23,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
-from .capture._keys import describe_tensor
-from .capture._outputs import flatten_arguments, output_node
-from ._profile import profile_range
-from ._config import logger
-from .watch._reads import Survey, written_tensors
-from ._scope import nested_calls
-from .watch._undo import UndoWrites
+from ..capture._keys import describe_tensor
+from ..capture._outputs import flatten_arguments, output_node
+from .._profile import profile_range
+from .._config import logger
+from ..watch._reads import Survey, written_tensors
+from .._scope import nested_calls
+from ..watch._undo import UndoWrites
 
 Tensor = torch.Tensor
 

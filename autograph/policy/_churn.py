@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, List, Optional, Sequence
 
-from ._stats import KeyStats
+from .._stats import KeyStats
 
 # New keys in a row, none of them graphed, before calls pass through. HF generate() with a
 # DynamicCache makes two per generate() call (the prefill, and a decode step whose graph
