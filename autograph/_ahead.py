@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from . import _config
-from ._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
+from .buckets._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
 from ._config import Options, logger
 from ._key_cache import KeyCache
 from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife

@@ -25,7 +25,7 @@ import torch
 
 from . import _config, _stats
 from .backends import _devices
-from ._buckets import BucketRule, Padding, bucket_key, family_key
+from .buckets._buckets import BucketRule, Padding, bucket_key, family_key
 from ._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife

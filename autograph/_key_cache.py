@@ -16,7 +16,7 @@ import threading
 import weakref
 from typing import Any, Dict, List, Set, Tuple
 
-from ._batch_dims import BatchShapes
+from .buckets._batch_dims import BatchShapes
 from .policy._churn import Churn
 from ._config import Options
 from .policy._islands import island_rows

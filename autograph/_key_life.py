@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ._bucket_runs import (capture_call, capture_replay, first_padded_replay, run_call,
+from .buckets._bucket_runs import (capture_call, capture_replay, first_padded_replay, run_call,
                            slices_unknown, state_written)
 from ._config import Options, logger
 from ._errors import CaptureError

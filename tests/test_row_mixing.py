@@ -3,7 +3,7 @@ whose pad rows hold copies of the real rows; a plain function on static tensors 
 the replay of a graph here."""
 import torch
 
-from autograph._row_mixing import mixes_rows
+from autograph.buckets._row_mixing import mixes_rows
 
 
 def probe(fn, x, rows, written=()):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from .._batch_dims import real_rows
+from ..buckets._batch_dims import real_rows
 from .._config import logger
 from ._outputs import flatten_arguments, flatten_output
 from ..watch._reads import storage_ptr

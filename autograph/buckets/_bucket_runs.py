@@ -32,12 +32,12 @@ import torch
 
 from ._batch_dims import real_rows
 from ._buckets import padded_arguments
-from .capture._outputs import flatten_output
-from ._profile import profile_range
-from .watch._reads import storage_ptr
+from ..capture._outputs import flatten_output
+from .._profile import profile_range
+from ..watch._reads import storage_ptr
 from ._row_mixing import SavedState, mixes_rows
-from .watch._size_reads import NumbersOf, size_read
-from .policy._verify import verified_replay
+from ..watch._size_reads import NumbersOf, size_read
+from ..policy._verify import verified_replay
 
 Tensor = torch.Tensor
 

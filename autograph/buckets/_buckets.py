@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .capture._keys import call_key
-from .capture._outputs import flatten_arguments
+from ..capture._keys import call_key
+from ..capture._outputs import flatten_arguments
 
 Tensor = torch.Tensor
 
