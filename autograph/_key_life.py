@@ -38,7 +38,7 @@ from .watch._reads import CallWatch, roots_of, shares_state, shares_written_memo
 from .capture._recording import CaptureFailed, CaptureRequest
 from ._scope import nested_calls
 from ._stats import KeyStats
-from ._training import TrainingGraph
+from .training._training import TrainingGraph
 from .policy._verify import checked_replay
 from ._warn import warn_user
 

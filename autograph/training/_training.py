@@ -42,18 +42,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .backends._backend import Capture
-from ._config import logger
-from .capture._graph import Graph
-from .watch._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
+from ..backends._backend import Capture
+from .._config import logger
+from ..capture._graph import Graph
+from ..watch._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
 from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
-from .watch._modes import tensors_in
+from ..watch._modes import tensors_in
 from ._packed_grads import PackedGradients
-from .capture._plan import InputPlan, copy_all
-from .watch._reads import Survey
-from .capture._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
-from .capture._recording import refused as _refused
-from .backends._streams import on_stream
+from ..capture._plan import InputPlan, copy_all
+from ..watch._reads import Survey
+from ..capture._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
+from ..capture._recording import refused as _refused
+from ..backends._streams import on_stream
 
 Tensor = torch.Tensor
 
