@@ -21,8 +21,8 @@ import torch
 from . import _config
 from .buckets._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
 from ._config import Options, logger
-from ._key_cache import KeyCache
-from ._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
+from .engine._key_cache import KeyCache
+from .engine._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
 from .capture._keys import call_key
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress

@@ -23,7 +23,7 @@ import torch
 
 from . import _config
 from ._config import Options, check_option_names
-from ._engine import Engine, _is_compiling
+from .engine._engine import Engine, _is_compiling
 from ._graphed import GraphedForward, forward_signature, module_label
 from .policy._islands import register as register_islands
 from .backends._pool import Pools

@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Set, TextIO
 import torch
 
 from . import _config, _stats
-from ._engine import Engine, free
+from .engine._engine import Engine, free
 from ._graphed import GraphedForward
 from ._region import Region, engine_of
 from ._stats import KeyStats

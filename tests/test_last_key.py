@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autograph
-from autograph import _engine, _last_key
+from autograph.engine import _engine, _last_key
 from conftest import states
 
 pytestmark = pytest.mark.skipif(

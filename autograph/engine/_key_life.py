@@ -22,25 +22,25 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .buckets._bucket_runs import (capture_call, capture_replay, first_padded_replay, run_call,
+from ..buckets._bucket_runs import (capture_call, capture_replay, first_padded_replay, run_call,
                            slices_unknown, state_written)
-from ._config import Options, logger
-from ._errors import CaptureError
-from .capture._graph import Graph
-from .watch._guard import LibraryUse
-from .policy._islands import eager_scope, in_an_island
-from .capture._outputs import flatten_output
-from .policy._payoff import measurement, timed_call
-from ._profile import profile_range, torch_profiler
-from .watch._python_state import PythonState, per_call_reason
-from .distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from .watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
-from .capture._recording import CaptureFailed, CaptureRequest
-from ._scope import nested_calls
-from ._stats import KeyStats
-from .training._training import TrainingGraph
-from .policy._verify import checked_replay
-from ._warn import warn_user
+from .._config import Options, logger
+from .._errors import CaptureError
+from ..capture._graph import Graph
+from ..watch._guard import LibraryUse
+from ..policy._islands import eager_scope, in_an_island
+from ..capture._outputs import flatten_output
+from ..policy._payoff import measurement, timed_call
+from .._profile import profile_range, torch_profiler
+from ..watch._python_state import PythonState, per_call_reason
+from ..distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
+from ..watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
+from ..capture._recording import CaptureFailed, CaptureRequest
+from .._scope import nested_calls
+from .._stats import KeyStats
+from ..training._training import TrainingGraph
+from ..policy._verify import checked_replay
+from .._warn import warn_user
 
 Tensor = torch.Tensor
 

@@ -16,14 +16,14 @@ import threading
 import weakref
 from typing import Any, Dict, List, Set, Tuple
 
-from .buckets._batch_dims import BatchShapes
-from .policy._churn import Churn
-from ._config import Options
-from .policy._islands import island_rows
+from ..buckets._batch_dims import BatchShapes
+from ..policy._churn import Churn
+from .._config import Options
+from ..policy._islands import island_rows
 from ._key_life import KeyLife
 from ._last_key import LastKey
-from .backends._pool import Pools
-from ._stats import KeyStats
+from ..backends._pool import Pools
+from .._stats import KeyStats
 
 
 def _object_died(cache_ref: "weakref.ref[KeyCache]", object_id: int, keys: Set[Any]) -> None:

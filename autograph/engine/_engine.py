@@ -23,15 +23,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from . import _config, _stats
-from .backends import _devices
-from .buckets._buckets import BucketRule, Padding, bucket_key, family_key
-from ._config import Options
+from .. import _config, _stats
+from ..backends import _devices
+from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key
+from .._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife
-from .capture._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
-from ._scope import nested_calls, thread
-from ._warn import warn_user
+from ..capture._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
+from .._scope import nested_calls, thread
+from .._warn import warn_user
 
 Tensor = torch.Tensor
 
