@@ -15,10 +15,10 @@ from typing import Any
 
 from .backends._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
-from ._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
-from ._per_bucket import per_bucket
-from ._region import Region, RegionStats, region
-from ._report import report, reset, stats
+from .api._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
+from .api._per_bucket import per_bucket
+from .api._region import Region, RegionStats, region
+from .api._report import report, reset, stats
 from ._stats import KeyStats
 from .policy._verify import VERIFY_TOLERANCES
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import autograph
-from autograph import _config, _region, _scope
+from autograph import _config, _scope
+from autograph.api import _region
 from conftest import autograph_warnings, is_label_of, python_run_log, states
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable, List, Sequence, Tuple, Union
 
-from .capture._outputs import flatten_arguments
+from ..capture._outputs import flatten_arguments
 
 Values = Union[Mapping, Callable[[int], Any]]
 

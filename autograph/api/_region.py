@@ -21,14 +21,14 @@ from typing import Any, Dict, List
 
 import torch
 
-from . import _config
-from ._config import Options, check_option_names
-from .engine._engine import Engine, _is_compiling
+from .. import _config
+from .._config import Options, check_option_names
+from ..engine._engine import Engine, _is_compiling
 from ._graphed import GraphedForward, forward_signature, module_label
-from .policy._islands import register as register_islands
-from .backends._pool import Pools
-from ._scope import current_region, enter_region, inside_a_graphed_call, leave_region
-from ._stats import KeyStats
+from ..policy._islands import register as register_islands
+from ..backends._pool import Pools
+from .._scope import current_region, enter_region, inside_a_graphed_call, leave_region
+from .._stats import KeyStats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,11 +17,11 @@ from typing import Any, List, Optional, Set, TextIO
 
 import torch
 
-from . import _config, _stats
-from .engine._engine import Engine, free
+from .. import _config, _stats
+from ..engine._engine import Engine, free
 from ._graphed import GraphedForward
 from ._region import Region, engine_of
-from ._stats import KeyStats
+from .._stats import KeyStats
 
 
 def _engines_and_caches(target: Any) -> List[Any]:

@@ -18,19 +18,19 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import _config
-from .buckets._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
-from ._config import Options, logger
-from .engine._key_cache import KeyCache
-from .engine._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
-from .capture._keys import call_key
+from .. import _config
+from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
+from .._config import Options, logger
+from ..engine._key_cache import KeyCache
+from ..engine._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
+from ..capture._keys import call_key
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
-from .watch._python_state import PythonState, per_call_reason
-from ._scope import current_region, nested_calls
-from ._stats import KeyStats
-from .watch._undo import UndoWrites
-from ._warn import warn_user
+from ..watch._python_state import PythonState, per_call_reason
+from .._scope import current_region, nested_calls
+from .._stats import KeyStats
+from ..watch._undo import UndoWrites
+from .._warn import warn_user
 
 Tensor = torch.Tensor
 

@@ -24,10 +24,10 @@ import torch
 import wrapt
 
 from ._ahead import capture_ahead
-from . import _config
-from ._config import Options, check_option_names, check_static_arguments
-from .engine._engine import Engine, _dynamo_callback, _is_compiling
-from ._stats import KeyStats
+from .. import _config
+from .._config import Options, check_option_names, check_static_arguments
+from ..engine._engine import Engine, _dynamo_callback, _is_compiling
+from .._stats import KeyStats
 
 F = TypeVar("F", bound=Callable[..., Any])
 
