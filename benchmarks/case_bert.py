@@ -17,7 +17,7 @@ import time
 import torch
 
 import autograph
-from autograph._bench import (add_row, capture_graph, compile_for_bench, counter_changes,
+from autograph.cli._bench import (add_row, capture_graph, compile_for_bench, counter_changes,
                               device, dynamo_counters, new_pool, per_call_us, progress,
                               raise_recompile_limit, reserved_bytes, side_by_side, sync)
 

@@ -13,7 +13,7 @@ import time
 import torch
 
 import autograph
-from autograph._bench import (add_row, compile_for_bench, counter_changes, device,
+from autograph.cli._bench import (add_row, compile_for_bench, counter_changes, device,
                               dynamo_counters, failure, per_call_us, progress,
                               raise_recompile_limit, sync)
 from case_llama import llama_setup, refill, stepper

@@ -29,7 +29,7 @@ import time
 import torch
 
 import autograph
-from autograph._bench import (add_row, device, hand_written, latencies_us, percentile, progress,
+from autograph.cli._bench import (add_row, device, hand_written, latencies_us, percentile, progress,
                               side_by_side, sync)
 from case_llama import llama_setup, new_cache, refill
 

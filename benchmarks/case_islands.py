@@ -18,7 +18,7 @@ import statistics
 import torch
 
 import autograph
-from autograph._bench import SMOKE, add_row, device, progress
+from autograph.cli._bench import SMOKE, add_row, device, progress
 from case_llama import llama_setup
 from case_never_slower import _seconds
 

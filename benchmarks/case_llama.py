@@ -12,7 +12,7 @@ import time
 import torch
 
 import autograph
-from autograph._bench import add_row, device, hand_written, progress, sync, timed, with_ratio
+from autograph.cli._bench import add_row, device, hand_written, progress, sync, timed, with_ratio
 from case_mlp import compiled
 
 NAME = "(b) HF Llama decode step, 8x512, StaticCache 2048"

@@ -10,7 +10,7 @@ import time
 import torch
 
 import autograph
-from autograph._bench import compile_for_bench, device, hand_written, mlp, progress, sync, \
+from autograph.cli._bench import compile_for_bench, device, hand_written, mlp, progress, sync, \
     timed, with_ratio
 
 NAME = "(a) MLP 32x512 bf16, batch 1"

@@ -24,7 +24,7 @@ import time
 import torch
 
 import autograph
-from autograph._bench import SMOKE, add_row, device, mlp, progress, side_by_side, sync, \
+from autograph.cli._bench import SMOKE, add_row, device, mlp, progress, side_by_side, sync, \
     with_ratio
 from case_llama import llama_setup
 

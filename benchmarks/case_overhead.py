@@ -23,7 +23,7 @@ import torch
 
 import autograph
 from autograph import _config
-from autograph._bench import add_row, capture_graph, device, progress, side_by_side, slope
+from autograph.cli._bench import add_row, capture_graph, device, progress, side_by_side, slope
 
 NAME = "(d) wrapper cost: torch.cat of N tensors of 64 floats"
 DISABLED = "(d) disabled paths: extra cost over the bare call"

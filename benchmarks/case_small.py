@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import autograph
-from autograph._bench import device, hand_written, progress, timed, with_ratio
+from autograph.cli._bench import device, hand_written, progress, timed, with_ratio
 from case_mlp import compiled
 
 NAME = "(c) one kernel, four small tensors"

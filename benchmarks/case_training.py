@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import autograph
-from autograph._bench import add_row, capture_graph, compile_for_bench, device, mlp, \
+from autograph.cli._bench import add_row, capture_graph, compile_for_bench, device, mlp, \
     per_call_us, progress, sync, timed, with_ratio
 
 MLP = "(t) training step, MLP 16x512 fp32, batch 32"

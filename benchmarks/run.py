@@ -18,7 +18,7 @@ Cases (letters for --cases; estimated wall time on an H200, process start includ
 
 Each case module ``benchmarks/case_*.py`` has a function ``case_x(rows, with_compile)`` that
 appends rows (dicts: case, variant, value, unit, note, kind, and for line charts series and
-x; see ``autograph._bench``). Figures are medians; ratios are measured side by side in the
+x; see ``autograph.cli._bench``). Figures are medians; ratios are measured side by side in the
 same process. Each row is printed as it is measured (stderr, flushed), so a run cut off by a
 time limit still shows where it was.
 
@@ -55,7 +55,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)  # autograph from this checkout
 
-from autograph._bench import SMOKE, Rows, add_row, failure, figure, format_rows, infer_kind, \
+from autograph.cli._bench import SMOKE, Rows, add_row, failure, figure, format_rows, infer_kind, \
     progress  # noqa: E402
 
 RESULTS_DIR = os.path.join(HERE, "results")

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import autograph
-from autograph import _bench
+from autograph.cli import _bench, _demo
 from autograph.__main__ import main
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
@@ -52,8 +52,8 @@ def two_layer_mlp(mlp=_bench.mlp, **kwargs):
 
 @no_cuda
 def test_the_cpu_demo_says_the_calls_ran_eagerly_and_why(capsys, monkeypatch):
-    monkeypatch.setattr(_bench, "mlp", two_layer_mlp)
-    _bench.demo()
+    monkeypatch.setattr(_demo, "mlp", two_layer_mlp)
+    _demo.demo()
     text = capsys.readouterr().out
     assert "so autograph ran the MLP eagerly" in text and "CUDA is not available" in text
     assert "rounds, fastest to slowest" in text
@@ -73,9 +73,9 @@ def test_the_cpu_demo_calls_only_a_consistent_slowdown_autographs_cost(
         timed(variants, calls=1, rounds=1, warmup=1)      # the calls happen, the stats fill
         return {"eager": [10.0, 11.0, 12.0], "autograph.graphed": graphed_us}
 
-    monkeypatch.setattr(_bench, "mlp", two_layer_mlp)
-    monkeypatch.setattr(_bench, "interleaved_us", made_up_figures)
-    _bench.demo()
+    monkeypatch.setattr(_demo, "mlp", two_layer_mlp)
+    monkeypatch.setattr(_demo, "interleaved_us", made_up_figures)
+    _demo.demo()
     text = capsys.readouterr().out
     assert says in text
     assert text.count("adds about") == (1 if "adds about" in says else 0)

@@ -23,36 +23,59 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "autograph"
 DESIGN = ROOT / "docs" / "design.md"
-# The benchmark's timing helpers and demo (``python -m autograph bench``): benchmark code, which
-# the size limits leave aside as they do tests.
-BENCHMARKS = {"_bench"}
 # The CPU emulation of CUDA graphs: only ``autograph.testing`` may import it.
-EMULATION = {"_cpu_graphs", "_cpu_recorder"}
+EMULATION = {"backends._cpu_graphs", "backends._cpu_recorder"}
 LIMITS = {"function": 60, "class": 250, "module": 450}
 
 
 def modules():
-    """{module name: path} for every module of the package; the package itself is "autograph"."""
-    return {("autograph" if p.stem == "__init__" else p.stem): p
-            for p in sorted(PACKAGE.glob("*.py"))}
+    """{module name: path} for every module of the package, named below ``autograph``
+    (``engine._key_life``; a subpackage by its own name, ``engine``); the package itself is
+    "autograph"."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts) or "autograph"] = path
+    return found
 
 
-def _imported(node, own):
+def _package_of(name, path):
+    """The package a module's relative imports start from, as a list of parts."""
+    parts = [] if name == "autograph" else name.split(".")
+    return parts if path.stem == "__init__" else parts[:-1]
+
+
+def _resolved(base, names, own):
+    """The package's modules that ``from <base> import <names>`` reaches."""
+    submodules = [m for m in (".".join(base + [n]) for n in names) if m in own]
+    module = ".".join(base) or "autograph"
+    whole = module in own and len(submodules) < len(names)   # a name defined in the module
+    return submodules + ([module] if whole else [])
+
+
+def _imported(node, name, path, own):
     """The package's modules that one import statement (or ``import_module`` call) names."""
     if isinstance(node, ast.ImportFrom):
-        if node.level == 1:
-            return [node.module] if node.module else [a.name for a in node.names]
-        if node.module == "autograph":
-            return ["autograph"] + [a.name for a in node.names if a.name in own]
-        if node.module and node.module.startswith("autograph."):
-            return [node.module.split(".")[1]]
+        if node.level:
+            base = _package_of(name, path)[:len(_package_of(name, path)) - node.level + 1]
+        elif node.module and node.module.split(".")[0] == "autograph":
+            base = []
+        else:
+            return []
+        if node.level == 0:
+            base = node.module.split(".")[1:]
+        elif node.module:
+            base = base + node.module.split(".")
+        return _resolved(base, [a.name for a in node.names], own)
     if isinstance(node, ast.Import):
-        return [a.name.split(".")[1] if "." in a.name else "autograph"
+        return [".".join(a.name.split(".")[1:]) or "autograph"
                 for a in node.names if a.name.split(".")[0] == "autograph"]
     if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
             and node.args and isinstance(node.args[0], ast.Constant)
             and str(node.args[0].value).startswith(".")):
-        return [node.args[0].value[1:]]
+        return _resolved(_package_of(name, path) + [node.args[0].value[1:]], [], own)
     return []
 
 
@@ -64,9 +87,25 @@ def import_graph():
     for name, path in own.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            found.update(m for m in _imported(node, own) if m in own and m != name)
+            found.update(m for m in _imported(node, name, path, own) if m in own and m != name)
         graph[name] = sorted(found)
     return graph
+
+
+def package_graph():
+    """The import graph between the package's parts: each subpackage is one node, each module
+    at the top (the shared leaves, ``testing``, ``__main__``) another; the package's own
+    ``__init__`` is left out (it imports the front door only)."""
+    def part(module):
+        return module.split(".")[0]
+
+    graph = {}
+    for module, deps in import_graph().items():
+        if module == "autograph":
+            continue
+        graph.setdefault(part(module), set()).update(
+            part(d) for d in deps if d != "autograph" and part(d) != part(module))
+    return {name: sorted(deps) for name, deps in graph.items()}
 
 
 def circles(graph):
@@ -104,8 +143,9 @@ def layers(graph):
 
 
 def drawing():
-    """The import structure as text, top layer first: ``layer  module  -> what it imports``."""
-    graph = import_graph()
+    """The import structure between the package's parts as text, top layer first:
+    ``layer  part  -> what it imports``."""
+    graph = package_graph()
     layer = layers(graph)
     width = max(map(len, graph))
     lines = []
@@ -114,7 +154,7 @@ def drawing():
     return "\n".join(lines)
 
 
-_DRAWING = re.compile(r"(```\nlayer  module[^\n]*\n)(.*?)(\n```)", re.S)
+_DRAWING = re.compile(r"(```\nlayer  part[^\n]*\n)(.*?)(\n```)", re.S)
 
 
 def test_the_design_shows_the_imports_as_they_are():
@@ -174,7 +214,7 @@ def _sizes(path):
 
 def test_no_part_is_over_its_size_limit():
     over = [f"{name} ({kind}, {lines} lines > {LIMITS[kind]})"
-            for module, path in modules().items() if module not in BENCHMARKS
+            for module, path in modules().items()
             for kind, name, lines in _sizes(path) if lines > LIMITS[kind]]
     assert over == []
 
@@ -196,7 +236,7 @@ def test_no_comment_cites_a_document_outside_the_repository():
     # The contract these parts were built from is not in the repository, so a reader cannot
     # follow a section number of it: the part of docs/design.md it means is cited instead.
     outside = re.compile(r"\bSPEC\b")
-    files = [*modules().values(), *sorted((ROOT / "tests").glob("*.py"))]
+    files = [*modules().values(), *sorted((ROOT / "tests").rglob("*.py"))]
     cited = [f"{path.relative_to(ROOT)}:{line}" for path in files
              for line, text in _comments_and_docstrings(path) if outside.search(text)]
     assert cited == []
@@ -206,7 +246,7 @@ def test_the_design_cites_sections_that_exist():
     headings = {line.lstrip("#").strip() for line in DESIGN.read_text().splitlines()
                 if line.startswith("#")}
     cited = set()
-    for path in [*modules().values(), *sorted((ROOT / "tests").glob("*.py"))]:
+    for path in [*modules().values(), *sorted((ROOT / "tests").rglob("*.py"))]:
         for names in re.findall(r'docs/design\.md((?:,\s+"[^"]+")+)', path.read_text()):
             cited.update(" ".join(name.split()) for name in re.findall(r'"([^"]+)"', names))
     assert cited - headings == set()
@@ -224,9 +264,11 @@ def replay_calls():
     import autograph
     from autograph.testing import emulate_graphs_on_cpu
 
+    emulation = {name.split(".")[-1] for name in EMULATION}
+
     def in_emulation(frame):
         while frame is not None:
-            if pathlib.Path(frame.f_code.co_filename).stem in EMULATION:
+            if pathlib.Path(frame.f_code.co_filename).stem in emulation:
                 return True
             frame = frame.f_back
         return False
@@ -244,7 +286,7 @@ def replay_calls():
             if not in_emulation(frame.f_back):
                 if frame.f_code.co_name == "replay" and where == "_cpu_graphs":
                     calls.append("C CUDAGraph.replay (the emulation's replay)")
-                elif where not in EMULATION:
+                elif where not in emulation:
                     module = frame.f_globals.get("__name__", where).replace("autograph.", "")
                     calls.append(f"{module}.{frame.f_code.co_qualname}")
         elif event == "c_call" and not in_emulation(frame):

@@ -1,0 +1,52 @@
+"""``python -m autograph doctor``: the versions, the GPU, and whether a test function is
+captured into a CUDA graph and replayed on this machine.
+
+>>> doctor()
+autograph 0.2.0.dev0, torch 2.11.0+cu130, Python 3.12.3
+...
+"""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+import autograph
+from autograph import _config
+
+
+def doctor() -> int:
+    print(versions())
+    print(f"environment: AUTOGRAPH_DISABLE={int(_config.ENV.disable)} "
+          f"AUTOGRAPH_STRICT={int(_config.ENV.strict)}")
+    if torch.version.cuda is None:
+        print("torch is a CPU build: every graphed call runs eagerly. Install a CUDA build of "
+              "torch to use CUDA graphs.")
+        return 0
+    if not torch.cuda.is_available():
+        print(f"torch is built for CUDA {torch.version.cuda}, but no GPU is visible: every "
+              f"graphed call runs eagerly.")
+        return 0
+    print(f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s); cuda:0 is "
+          f"{torch.cuda.get_device_name(0)} (compute capability "
+          f"{'.'.join(map(str, torch.cuda.get_device_capability(0)))})")
+
+    @autograph.graphed
+    def check(x):
+        return torch.sin(x) * 2
+
+    x = torch.randn(16, device="cuda")
+    ok = all(torch.equal(check(x), torch.sin(x) * 2) for _ in range(3))
+    row = check.stats()[0]  # type: ignore[attr-defined]
+    if ok and row.state == "graphed":
+        print(f"capture and replay work: a test graph was captured in "
+              f"{row.capture_seconds * 1e3:.1f} ms and replayed.")
+        return 0
+    print(f"capture did not work here: state={row.state}, reason={row.fallback_reason}, "
+          f"results equal eager: {ok}")
+    return 1
+
+
+def versions() -> str:
+    return (f"autograph {autograph.__version__}, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
