@@ -7,13 +7,22 @@ wrapper: the warning names the line that called them, where the user can act.
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from types import FrameType
 from typing import Optional
 
+import torch
+
 from ._errors import AutographWarning
-from .watch._guard import is_user_file
+
+# autograph's own files and torch's: the frames a user's line is looked for outside of. This
+# module sits at the package's top, so its folder is the whole package's.
+_SKIPPED_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+)
 
 
 def warn_user(message: str) -> None:
@@ -22,3 +31,8 @@ def warn_user(message: str) -> None:
     while frame is not None and not is_user_file(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, AutographWarning, stacklevel=level)
+
+
+def is_user_file(filename: str) -> bool:
+    # "<eval_with_key>.N": code that torch.fx generates for a compiled graph.
+    return not filename.startswith(_SKIPPED_DIRS) and not filename.startswith("<")

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from autograph.buckets._batch_dims import BatchShapes, named_dims, real_rows
+from autograph.buckets._batch_dims import BatchShapes, named_dims
+from autograph.capture._outputs import real_rows
 from autograph.buckets._buckets import BucketRule, family_key
 from autograph.capture._keys import call_key
 

@@ -7,7 +7,8 @@ import torch
 
 import autograph
 from autograph.backends._cpu_graphs import CPU
-from autograph.policy._payoff import EAGER, EAGER_RUN, GRAPH, REPLAY, CudaClock, Payoff, PendingTimings
+from autograph.backends._cuda_graphs import CudaClock
+from autograph.policy._payoff import EAGER, EAGER_RUN, GRAPH, REPLAY, Payoff, PendingTimings
 from conftest import autograph_warnings, python_run_log, requires_cuda, states
 
 

@@ -1,4 +1,4 @@
-"""The package's shape (docs/design.md, "Structure"): imports without a circle, a light
+"""The package's shape (docs/design.md, "Layers"): imports without a circle, a light
 ``import autograph``, parts of a readable size, comments that cite only what the repository
 holds, and the Python calls of a steady-state replay.
 

@@ -66,4 +66,4 @@ class Backend(Protocol):
 
     def payoff_clock(self, device: int) -> Any:
         """What times a key's replays and eager runs on the stream they run on
-        (``_payoff.CudaClock``'s interface), or None where timings mean nothing."""
+        (``_cuda_graphs.CudaClock``'s interface), or None where timings mean nothing."""

@@ -209,14 +209,3 @@ def _stand_ins(leaves: Sequence[_Leaf]) -> List[Any]:
     ``named_dims``."""
     return [torch.empty(what, device="meta") if kind == "tensor" else what
             for kind, what in leaves]
-
-
-def real_rows(output: Tensor, dims: Tuple[int, ...], rows: int) -> Tensor:
-    """An output of a padded run with each dim that follows the batch narrowed to ``rows``.
-
-    >>> real_rows(torch.zeros(2, 4, 5), (1,), 3).shape
-    torch.Size([2, 3, 5])
-    """
-    for d in dims:
-        output = output.narrow(d, 0, rows)
-    return output

@@ -30,9 +30,8 @@ from typing import Any, Callable, ContextManager, List, Tuple
 
 import torch
 
-from ._batch_dims import real_rows
 from ._buckets import padded_arguments
-from ..capture._outputs import flatten_output
+from ..capture._outputs import flatten_output, real_rows
 from .._profile import profile_range
 from ..watch._reads import storage_ptr
 from ._row_mixing import SavedState, mixes_rows

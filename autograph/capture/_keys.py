@@ -20,14 +20,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.utils._pytree as _pytree
 
+from ..watch._names import DTYPE_NAMES, describe_tensor
+
 Tensor = torch.Tensor
-
-_DTYPE_NAMES = {
-    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
-}
-
 
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _NO_AUTOCAST = (False, False)
@@ -291,20 +286,6 @@ class _Keying:
 
 # ---- readable keys for messages and stats ----
 
-def describe_tensor(t: Tensor, shape: Optional[torch.Size] = None) -> str:
-    dtype = _DTYPE_NAMES.get(t.dtype, str(t.dtype).replace("torch.", ""))
-    if t.is_nested:
-        return f"{dtype} nested tensor of {t.dim()} dims {t.device}"
-    text = f"{dtype}[{', '.join(map(str, t.shape if shape is None else shape))}] {t.device}"
-    if t.layout is not torch.strided:
-        text += f" {str(t.layout).replace('torch.', '')}"
-    elif shape is None and not t.is_contiguous():
-        text += f" strides={tuple(t.stride())}"
-    if t.requires_grad:
-        text += " requires_grad"
-    return text
-
-
 def _short_repr(obj: Any, limit: int = 40) -> str:
     text = repr(obj)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -368,7 +349,7 @@ def describe_state(state: tuple) -> str:
         modes.append("no_grad")
     for device, dtype in (("cuda", cuda_autocast), ("cpu", cpu_autocast)):
         if dtype:
-            modes.append(f"autocast {device} {_DTYPE_NAMES.get(dtype, dtype)}")
+            modes.append(f"autocast {device} {DTYPE_NAMES.get(dtype, dtype)}")
     if training is not None:
         modes.append("train" if training else "eval")
     return ", ".join(modes)

@@ -185,3 +185,12 @@ def _output_builder(obj: Any, leaves: list, given: Optional[Set[int]], active: S
     return lambda values: rebuild([b(values) for b in builders])
 
 
+def real_rows(output: Tensor, dims: Tuple[int, ...], rows: int) -> Tensor:
+    """An output of a padded run with each dim that follows the batch narrowed to ``rows``.
+
+    >>> real_rows(torch.zeros(2, 4, 5), (1,), 3).shape
+    torch.Size([2, 3, 5])
+    """
+    for d in dims:
+        output = output.narrow(d, 0, rows)
+    return output

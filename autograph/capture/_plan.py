@@ -23,9 +23,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
-from ..buckets._batch_dims import real_rows
 from .._config import logger
-from ._outputs import flatten_arguments, flatten_output
+from ._outputs import flatten_arguments, flatten_output, real_rows
 from ..watch._reads import storage_ptr
 
 Tensor = torch.Tensor

@@ -92,36 +92,6 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
 
 
-class CudaClock:
-    """Times stretches of one CUDA stream with events, without synchronising the host.
-
-    >>> clock = CudaClock(); timing = clock.start(stream); ...; clock.stop(timing, stream)
-    >>> clock.ready(timing)        # False until the GPU has passed the end event
-    >>> clock.seconds(timing)
-    """
-
-    def start(self, stream: Any = None) -> Any:
-        import torch
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record(stream)
-        return [begin, None]
-
-    def stop(self, timing: Any, stream: Any = None) -> Any:
-        import torch
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        timing[1] = end
-        return timing
-
-    @staticmethod
-    def ready(timing: Any) -> bool:
-        return timing[1] is not None and timing[1].query()
-
-    @staticmethod
-    def seconds(timing: Any) -> float:
-        return timing[0].elapsed_time(timing[1]) / 1e3
-
-
 class PendingTimings:
     """Timings of a key whose end events may not have passed yet: ``collect`` hands the
     finished ones to the key's ``Payoff`` in order, on a later call, without waiting."""

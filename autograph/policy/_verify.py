@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
-from ..capture._keys import describe_tensor
+from ..watch._names import describe_tensor
 from ..capture._outputs import flatten_arguments, output_node
 from .._profile import profile_range
 from .._config import logger

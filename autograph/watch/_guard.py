@@ -40,6 +40,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from .._warn import is_user_file
 from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
@@ -47,10 +48,6 @@ from ._modes import BOTH, Observer
 from ._unsafe_ops import (CPU_CONSEQUENCE, CPU_OPERATION, TRAITS, judged_apart, traits_of,
                           unsafe_op)
 
-_SKIPPED_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-)
 _OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 
 
@@ -73,11 +70,6 @@ class GuardError(RuntimeError):
     def __init__(self, finding: Finding):
         super().__init__(f"autograph stopped a capture: {finding.message()}")
         self.finding = finding
-
-
-def is_user_file(filename: str) -> bool:
-    # "<eval_with_key>.N": code that torch.fx generates for a compiled graph.
-    return not filename.startswith(_SKIPPED_DIRS) and not filename.startswith("<")
 
 
 def _location(filename: str, lineno: int) -> Tuple[str, str]:

@@ -39,7 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..capture._keys import describe_tensor
+from ._names import describe_tensor
 from ._reads import free_names
 
 Tensor = torch.Tensor

@@ -27,7 +27,7 @@ from typing import (Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, S
 
 import torch
 
-from ..capture._keys import describe_tensor
+from ._names import describe_tensor
 from ._modes import Observer, tensors_in
 
 Tensor = torch.Tensor
