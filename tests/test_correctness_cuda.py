@@ -7,7 +7,7 @@ import torch
 
 import autograph
 from conftest import autograph_warnings, requires_cuda
-from test_cuda import llama
+from helpers.models import llama
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 

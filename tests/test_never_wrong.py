@@ -1,4 +1,4 @@
-"""Never a wrong result, round 3 (issue 21): each case here gave a wrong result without a word.
+"""Never a wrong result: each case here gave a wrong result without a word.
 Each test runs on the CPU emulation and on a GPU (the ``device`` fixture), and checks the
 values against eager execution and what the engine did (graphed, replayed, eager).
 

@@ -1,4 +1,4 @@
-"""Review of 6a664a1: the guard judges reshape, linear, matmul and to(dtype) whole under
+"""The guard judges reshape, linear, matmul and to(dtype) whole under
 torch.inference_mode, and the emulation's recorder takes apart the may-alias composites (to,
 reshape) that now reach it whole.
 

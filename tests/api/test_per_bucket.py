@@ -2,47 +2,13 @@
 state (one StaticCache per bucket, passed with static_argnames), so that every bucket is
 captured ahead of time and its first real call replays (issue 22; docs/design.md, "Capture
 ahead")."""
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import autograph
 from conftest import python_run_log
-from test_buckets_round3 import _tiny_llama
-
-
-def cache_contents(cache):
-    """Every tensor a StaticCache holds, copied: its keys, values and write position."""
-    return [t.clone() for layer in cache.layers
-            for t in (layer.keys, layer.values, layer.cumulative_length)]
-
-
-def tiny_llama_decoding(device, prompt_len=4, max_len=16):
-    """A tiny HF Llama's decode step over StaticCaches: ``tokens(rows, length)``, ``decode(ids,
-    pos, cache)``, ``prefill(cache, prompt)`` (in place: graphs read the cache by address) and
-    ``new_cache()``, plain closures, as a serving loop writes them."""
-    transformers, config, model = _tiny_llama(device)
-    generator = torch.Generator().manual_seed(1)
-
-    def tokens(rows, length):
-        return torch.randint(0, config.vocab_size, (rows, length), generator=generator).to(device)
-
-    def decode(ids, pos, cache):
-        return model(input_ids=ids, past_key_values=cache, cache_position=pos,
-                     use_cache=True).logits
-
-    def prefill(cache, prompt):
-        # transformers 5.x: a StaticCache takes its batch size from its first update
-        cache.reset()
-        decode(prompt, torch.arange(prompt_len, device=device), cache)
-        return cache
-
-    def new_cache():
-        return transformers.StaticCache(config=config, max_cache_len=max_len)
-
-    return SimpleNamespace(config=config, tokens=tokens, decode=decode, prefill=prefill,
-                           new_cache=new_cache)
+from helpers.models import cache_contents, tiny_llama_decoding
 
 
 def test_capture_with_a_static_cache_per_bucket_makes_each_first_call_a_replay(device):

@@ -1,5 +1,5 @@
-"""Review of the shared dispatch mode (``_modes.OpWatch``, 1ea3269) and of the watched warmup
-without the guard (``_guard.LibraryUse``, 348c09f).
+"""One dispatch mode for every watcher (``_modes.OpWatch``), and the watched warmup without the
+guard (``_guard.LibraryUse``).
 
 Without the guard in the warmup nothing takes composite ops apart there, so under
 ``torch.inference_mode`` every observer of the warmup (``UndoWrites`` in ``capture()``,
@@ -19,10 +19,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import autograph
 from autograph.watch._guard import LibraryUse, UnsafeOpDetector
 from conftest import states
+from helpers.modes import modes_on_the_stack
 
 
-def modes_on_the_stack():
-    return torch._C._len_torch_dispatch_stack()
 
 
 def lives_of(fn):

@@ -10,7 +10,7 @@ import autograph
 from autograph._config import Environment
 from conftest import states
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 
 

@@ -331,7 +331,7 @@ def test_verify_is_off_by_default(device):
 @pytest.mark.cuda
 @requires_cuda
 def test_hf_llama_decode_with_static_cache_verifies_silently(caught):
-    from test_cuda import llama, static_decode
+    from helpers.models import llama, static_decode
 
     transformers, config, model = llama(layers=2)
     graphed_model = autograph.graphed(copy.deepcopy(model), verify=3)

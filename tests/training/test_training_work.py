@@ -12,7 +12,7 @@ import autograph
 from autograph.backends import _cpu_graphs
 from conftest import states
 
-from test_training import batches, grads_of, mlp, same
+from helpers.training import batches, grads_of, mlp, same
 
 
 class _OpsOutsideReplays(TorchDispatchMode):

@@ -18,7 +18,7 @@ from autograph._profile import profile_range
 from autograph._stats import KeyStats, format_table
 from conftest import device_label
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def item(x):

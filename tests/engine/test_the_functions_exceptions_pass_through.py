@@ -1,26 +1,105 @@
-"""Review 10: hostile tests of this session's commits: a function's own exception comes out of
-autograph as itself (9978e94, 3ea1b83), and the guard's naming of ``x[index] = number`` /
-``x[mask] = number`` (6577bcc, a684f7a).
-
-The defects it found are fixed in the same session, their tests kept: a Ctrl-C during a padded
-capture or a backward's capture was swallowed (made a capture failure, the key eager for
-good); ``_number_assigned`` crashed on keyword arguments, named an accumulating index_put_ an
-assignment, and named ``masked_fill_(mask, number)`` for a mask over rows, which fills columns.
-The rest guard what held: exceptions that refuse attributes, and BaseExceptions, raised in
-every phase."""
+"""A function's own exception comes out of autograph as itself, from every phase, with a note only
+where it helps: frozen, attribute-refusing and slotted exceptions, KeyboardInterrupt and
+SystemExit, padded runs and captures.
+"""
 import dataclasses
-
 import pytest
 import torch
-
 import autograph
+from helpers.modes import modes_on_the_stack
+from helpers.raising import capturing, raising_backward_at_capture
 from autograph import _scope
-from autograph.watch._unsafe_ops import unsafe_op
 from autograph.backends._cpu_graphs import emulate_graphs_on_cpu, is_emulating
-from test_modes import modes_on_the_stack
-from test_review_late import capturing as _capturing, raising_backward_at_capture
+from helpers.raising import capturing as _capturing
 
-_aten = torch.ops.aten
+
+
+needs_notes = pytest.mark.skipif(not hasattr(Exception, "add_note"),
+                                 reason="exception notes: Python >= 3.11")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenError(Exception):
+    """A frozen dataclass exception, as some libraries define theirs: no attribute can be set
+    on it, ``__notes__`` included."""
+    what: str
+
+
+def _cache_step(error):
+    """A step with per-bucket state (the cache, by address) that raises ``error``: a
+    callable that makes the exception, or one exception object raised again at each call."""
+    def step(x, cache):
+        cache[: x.shape[0]] += x
+        raise error if isinstance(error, BaseException) else error()
+    return step
+
+
+@needs_notes
+def test_a_padded_run_raises_the_functions_own_exception_even_if_it_takes_no_note(device):
+    step = _cache_step(lambda: _FrozenError("the cache is full"))
+    with pytest.raises(_FrozenError):  # eager
+        step(torch.randn(3, 5, device=device), torch.zeros(4, 5, device=device))
+    fn = autograph.graphed(step, buckets=[4], static_argnames=("cache",), bucket_outputs=0)
+    with pytest.raises(_FrozenError):
+        fn(torch.randn(3, 5, device=device), torch.zeros(4, 5, device=device))
+
+
+@needs_notes
+def test_an_exception_raised_again_at_each_call_carries_the_note_once(device):
+    shared = ValueError("the cache is full")
+    fn = autograph.graphed(_cache_step(shared), buckets=[4], static_argnames=("cache",),
+                           bucket_outputs=0)
+    cache = torch.zeros(4, 5, device=device)
+    for _ in range(3):
+        with pytest.raises(ValueError) as raised:
+            fn(torch.randn(3, 5, device=device), cache)
+        assert raised.value is shared
+    assert len(shared.__notes__) == 1
+
+
+def test_an_exception_that_takes_no_traceback_comes_out_of_a_capture_as_it_is(device):
+    """Forward and backward captures: the context managers around the function's run let its
+    exception through untouched (a generator one set its __traceback__, FrozenInstanceError)."""
+    @autograph.graphed
+    def step(x):
+        if capturing():
+            raise _FrozenError("in the capture")
+        return x * 2
+
+    x = torch.ones(3, device=device)
+    assert torch.equal(step(x), x * 2)  # the warmup
+    for _ in range(2):  # the capture raises the function's exception; the next call retries
+        with pytest.raises(_FrozenError):
+            step(x)
+    assert [s.state for s in step.stats()] == ["warmup"]
+
+    raising = raising_backward_at_capture(lambda: _FrozenError("in the backward's capture"))
+
+    @autograph.graphed
+    def train(x, w):
+        return raising.apply(x * w).sum()
+
+    w = torch.ones(3, device=device, requires_grad=True)
+    with pytest.warns(autograph.AutographWarning, match="its backward .* could not be captured"):
+        for _ in range(3):
+            train(x, w).backward()
+    torch.testing.assert_close(w.grad, torch.full((3,), 6.0, device=device))
+    row, = train.stats()
+    assert row.state == "eager" and "_FrozenError: in the backward's capture" in \
+        row.fallback_reason, row.fallback_reason
+
+
+@needs_notes
+def test_a_keyboard_interrupt_in_a_padded_run_gets_no_note_and_passes_through(device):
+    def step(x, cache):
+        cache[: x.shape[0]] += x
+        raise KeyboardInterrupt
+
+    fn = autograph.graphed(step, buckets=[4], static_argnames=("cache",), bucket_outputs=0)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        fn(torch.randn(3, 5, device=device), torch.zeros(4, 5, device=device))
+    assert not hasattr(raised.value, "__notes__")
+    assert modes_on_the_stack() == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +134,6 @@ def _assert_clean():
     assert modes_on_the_stack() == 0 and _scope.thread.regions == [] and \
         _scope.thread.depth == 0
 
-
-# --- what held: the exception itself, from every phase -------------------------------------
 
 class _Block(torch.nn.Module):
     def __init__(self, error, switch):
@@ -198,6 +275,10 @@ PHASES = ["warmup", "capture", "verify", "eager_key", "island_capture", "region_
           "padded_warmup", "ahead_per_bucket", "training_forward_capture", "compiled_capture"]
 
 
+# As a Ctrl-C arriving during the backward's capture.
+_InterruptedBackward = raising_backward_at_capture(KeyboardInterrupt)
+
+
 # The eager-key and island phases make their keys eager on purpose (a host read).
 @pytest.mark.filterwarnings("ignore::autograph.AutographWarning")
 @pytest.mark.parametrize("phase", PHASES)
@@ -232,8 +313,6 @@ def test_the_emulation_class_reused_as_a_decorator_and_a_block_under_exceptions(
     assert not is_emulating() and emulation._before == []
 
 
-# --- defects -------------------------------------------------------------------------------
-
 def test_a_keyboard_interrupt_during_a_padded_capture_comes_out(device):
     @autograph.graphed(buckets=[4])
     def f(x):
@@ -251,10 +330,6 @@ def test_a_keyboard_interrupt_during_a_padded_capture_comes_out(device):
     assert [s.state for s in f.stats()] != ["eager"], f.stats()
 
 
-# As a Ctrl-C arriving during the backward's capture.
-_InterruptedBackward = raising_backward_at_capture(KeyboardInterrupt)
-
-
 def test_a_keyboard_interrupt_during_a_backward_capture_comes_out(device):
     @autograph.graphed
     def train(x, w):
@@ -267,32 +342,3 @@ def test_a_keyboard_interrupt_during_a_backward_capture_comes_out(device):
             train(x, w).backward()
     finally:
         _assert_clean()
-
-
-def test_number_assigned_takes_keyword_arguments():
-    finding = unsafe_op(_aten.index_put_.default, (torch.zeros(4),),
-                        {"indices": [torch.tensor([0])], "values": torch.tensor(7.0)}, "cuda")
-    assert finding is not None and finding[0] == "computing with a CPU tensor"
-
-
-def test_the_fix_named_for_a_row_mask_does_what_the_assignment_does():
-    """Review 10 found masked_fill_(mask, number) named for any mask: masked_fill_ broadcasts
-    the mask from the last dim, so for a mask over rows it filled columns. The fix now says
-    how to shape the mask, and the shaped mask does what the assignment does."""
-    x = torch.arange(16.0).view(4, 4)
-    mask = torch.tensor([True, False, False, False])
-    assigned = x.clone()
-    assigned[mask] = 0.0
-    assert torch.equal(x.clone().masked_fill_(mask[..., None], 0.0), assigned)
-    target = torch.empty(4, 4, device="meta")
-    for given in (mask, mask.to(torch.uint8)):
-        _, consequence = unsafe_op(_aten.index_put_.default,
-                                   (target, [given.to("meta")], torch.tensor(0.0)), {}, "cuda")
-        assert "bool mask of x's shape" in consequence and "mask[..., None]" in consequence
-
-
-def test_an_accumulating_index_put_of_a_number_is_not_named_an_assignment():
-    target, index = torch.empty(4, device="meta"), torch.tensor([0, 2], device="meta")
-    operation, _ = unsafe_op(_aten.index_put_.default,
-                             (target, [index], torch.tensor(1.0), True), {}, "cuda")
-    assert operation == "computing with a CPU tensor"

@@ -5,26 +5,13 @@ import pytest
 import torch
 
 from autograph.watch._guard import GuardError, LibraryUse, UnsafeOpDetector
-from autograph.watch._modes import BOTH, PARTS, WHOLE, Observer, OpWatch
+from autograph.watch._modes import BOTH, PARTS, WHOLE, OpWatch
 from autograph.watch._reads import CallWatch
 from autograph.watch._size_reads import NumbersOf
 from autograph.watch._unsafe_ops import CPU_OPERATION
 from autograph.watch._undo import UndoWrites
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
-
-
-def modes_on_the_stack():
-    return torch._C._len_torch_dispatch_stack()
-
-
-class Names(Observer):
-    """Notes the name of every op it is shown."""
-
-    def __init__(self, sees=WHOLE):
-        self.sees, self.names = sees, []
-
-    def before(self, func, args, kwargs, tensors):
-        self.names.append(func.overloadpacket.__name__)
+from helpers.modes import Names, modes_on_the_stack
 
 
 class Foreign(TorchDispatchMode):

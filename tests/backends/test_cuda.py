@@ -13,6 +13,7 @@ import torch
 
 import autograph
 from conftest import autograph_warnings, requires_cuda, states
+from helpers.models import llama, static_decode
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -216,42 +217,6 @@ def test_reset_gives_the_memory_back():
     f.reset()
     assert f.stats() == []
     assert torch.cuda.memory_reserved() <= base + (2 << 20)
-
-
-def llama(layers=8, hidden=512):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
-        max_position_embeddings=256)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).cuda().to(torch.bfloat16).eval()
-    return transformers, config, model
-
-
-def static_cache(transformers, config, length=64):
-    return transformers.StaticCache(config=config, max_cache_len=length)
-
-
-class Decoded(list):
-    """The logits of every step, holding the StaticCache they were made with: keys of a
-    cache are held weakly and go when it dies, so a test that reads stats keeps it."""
-
-
-def static_decode(model, transformers, config, prompt, tokens):
-    """A prefill of ``prompt``, then one step per token of ``tokens``, with a fresh
-    StaticCache, under inference_mode; the logits of every step (``.cache``: the cache)."""
-    cache = static_cache(transformers, config)
-    logits = Decoded()
-    logits.cache = cache
-    with torch.inference_mode():
-        model(input_ids=prompt, past_key_values=cache, use_cache=True,
-              cache_position=torch.arange(prompt.shape[1], device="cuda"))
-        for step, token in enumerate(tokens):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True,
-                        cache_position=torch.tensor([prompt.shape[1] + step], device="cuda"))
-            logits.append(out.logits)
-    return logits
 
 
 def test_hf_llama_decode_with_static_cache_matches_eager(caught):

@@ -7,40 +7,14 @@ import torch
 import autograph
 from autograph.testing import emulate_graphs_on_cpu
 from conftest import autograph_warnings, requires_cuda
+from helpers.models import generate_in_a_region, generating_llama, static_generate_runs
 
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_llama():
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=256, max_position_embeddings=512)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def generate_in_a_region(model, ids, **options):
-    with emulate_graphs_on_cpu(), autograph.region() as region:
-        tokens = model.generate(ids, max_new_tokens=16, do_sample=False, **options)
-    return tokens, region.stats()
-
-
-def static_generate_runs(calls):
-    """(eager's tokens, [(tokens, region stats)] of ``calls`` calls in a region) of a tiny
-    Llama's generate(cache_implementation="static"), which builds a StaticCache per call."""
-    model = tiny_llama()
-    ids = torch.randint(0, 256, (1, 8))
-    with torch.inference_mode():
-        expected = model.generate(ids, max_new_tokens=16, do_sample=False,
-                                  cache_implementation="static")
-        runs = [generate_in_a_region(model, ids, cache_implementation="static")
-                for _ in range(calls)]
-    return expected, runs
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padded mask"])
 def test_generate_with_the_default_cache_passes_through_once_its_keys_churn(padded):
-    model = tiny_llama()
+    model = generating_llama()
     ids = torch.randint(0, 256, (1, 8))
     options = {}
     if padded:  # a mask with padding is passed to the model, one position longer each step
@@ -78,7 +52,7 @@ def test_a_new_cache_object_per_call_passes_through_after_three_calls(caught):
     # compiles the decode step itself: one prefill call per generate(), with a StaticCache
     # built anew. Each call's key dies with its cache, so waiting for 16 new keys, each
     # watched op by op, would cost about ten eager calls per call.
-    model = tiny_llama()
+    model = generating_llama()
     ids = torch.randint(0, 256, (1, 8))
 
     def prefill():
@@ -106,7 +80,7 @@ def test_a_new_cache_object_per_call_passes_through_after_three_calls(caught):
 def test_generate_with_cache_implementation_static_on_cuda_passes_through(caught):
     # transformers compiles the decode step (its own CUDA graphs) from the second call on; the
     # region must add no more than a few watched prefills, and never change a token.
-    model = tiny_llama().cuda()
+    model = generating_llama().cuda()
     ids = torch.randint(0, 256, (1, 8), device="cuda")
     with torch.inference_mode():
         runs = []

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from conftest import requires_cuda
 
 WORKER = os.path.join(os.path.dirname(__file__), "ranks_worker.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with the gloo backend")

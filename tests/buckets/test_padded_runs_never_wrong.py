@@ -9,6 +9,7 @@ import torch
 
 import autograph
 from conftest import python_run_log, states
+from helpers.models import tiny_llama
 
 
 def by_bucket(fn):
@@ -65,17 +66,9 @@ def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caug
 
 # ---- (b) HF Llama decode with one StaticCache per bucket ----
 
-def _tiny_llama(device):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return transformers, config, transformers.LlamaForCausalLM(config).to(device).eval()
-
 
 def test_hf_llama_decodes_with_one_static_cache_per_bucket(device):
-    transformers, config, model = _tiny_llama(device)
+    transformers, config, model = tiny_llama(device)
     buckets, prompt_len, decode_steps, max_len = [1, 2, 4, 8], 4, 4, 16
 
     def new_cache():

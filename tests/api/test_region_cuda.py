@@ -7,7 +7,7 @@ import torch
 
 import autograph
 from conftest import autograph_warnings, is_label_of, requires_cuda, states
-from test_cuda import llama, static_decode
+from helpers.models import llama, static_decode
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
