@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, cast
 
 import torch
 
@@ -143,7 +143,8 @@ def _bucket_example(name: str, options: Options, names: List[str], args: tuple, 
     per bucket, since its per-bucket values (each bucket's KV cache) differ."""
     keyed = call_key(args, kwargs, state, names, options.static_argnames,
                      options.static_argnums)
-    padding, reason = BucketRule(options.buckets, options.bucket_args).padding(
+    buckets = cast(Tuple[int, ...], options.buckets)  # capture() resizes only with buckets
+    padding, reason = BucketRule(buckets, options.bucket_args).padding(
         names, args, kwargs, keyed.tensors, keyed.addressed)
     if padding is None:
         raise ValueError(f"{name}.capture(): the example call cannot be bucketed: {reason}.")

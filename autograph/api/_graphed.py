@@ -18,7 +18,8 @@ import inspect
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, overload
+from types import MethodType
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, cast, overload
 
 import torch
 import wrapt
@@ -95,7 +96,8 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
         self._self_parent.reset()
 
 
-GraphedFunction.__bound_function_wrapper__ = BoundGraphedFunction
+# wrapt reads the bound wrapper's class from this attribute (it has no constructor argument).
+GraphedFunction.__bound_function_wrapper__ = BoundGraphedFunction  # type: ignore[misc]
 
 
 class _GraphedPlainFunction(GraphedFunction):
@@ -147,7 +149,7 @@ class GraphedForward:
         # A forward bound to this module is kept unbound, so that the module (which holds
         # this object) is not held by it in a cycle.
         self._self_bound = getattr(forward, "__self__", None) is module
-        self._self_function = forward.__func__ if self._self_bound else forward
+        self._self_function = cast(MethodType, forward).__func__ if self._self_bound else forward
         self._self_engine = Engine(self._self_function, options, module_label(module),
                                    signature_of=forward_signature(module),
                                    instance_label=type(module).__name__)
@@ -259,7 +261,7 @@ def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
             strict: Optional[bool] = ..., buckets: Optional[Sequence[int]] = ...,
             bucket_args: Optional[Dict[str, Any]] = ...,
             static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
-            verify: Optional[int] = ..., islands: bool = ...,
+            bucket_outputs: Any = ..., verify: Optional[int] = ..., islands: bool = ...,
             check_payoff: bool = ...) -> Callable[[F], F]: ...
 
 
