@@ -16,6 +16,10 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 import torch
 
 from ._plan import InputPlan
+from torch.utils.hooks import RemovableHandle
+
+from ..watch._frozen import FrozenReads
+from ..watch._module_hooks import HookWatch
 from ..watch._reads import GradSlots, ReadWatch, Survey
 from ._recording import CaptureRequest, Recorded, record
 from ..watch._slots import GeneratorSlots, SlotWatch, registrations
@@ -51,6 +55,12 @@ class Graph:
         self.watch: Optional[ReadWatch] = None
         self.slots: Optional[SlotWatch] = None  # where its reads by address live (_slots)
         self.generators: Optional[GeneratorSlots] = None  # where its generators live
+        # The hooks of the modules it reaches, and the frozen parameters it read with
+        # gradients on: a replay checks both are as captured (``_module_hooks``, ``_frozen``).
+        self.hooks = HookWatch.of(recorded.survey.modules)
+        self.frozen = FrozenReads.of(recorded.watch.external, recorded.survey)
+        # Set when a replay found a frozen parameter requiring grad, or hooks changed.
+        self.unfrozen = self.rehooked = False
         # A bucket's row counts whose first replay with pad rows was probed, and checked
         # against an eager run where it has no per-bucket state (``_bucket_runs``).
         self.rows_checked: Set[int] = set()
@@ -89,7 +99,26 @@ class Graph:
             self.invalid_reason = slots.changed(always=False)
         if self.invalid_reason is None and self.generators is not None:
             self.invalid_reason = self.generators.changed()
+        hooks = self.hooks
+        if self.invalid_reason is None and hooks is not None and (
+                hooks.seen != RemovableHandle.next_id or hooks.held):
+            self.invalid_reason = hooks.changed()
+            self.rehooked = self.invalid_reason is not None
+        if self.invalid_reason is None and self.frozen is not None:
+            self.invalid_reason = self.frozen.unfrozen()
+            self.unfrozen = self.invalid_reason is not None
         return self.invalid_reason is None
+
+    def changed_again(self, captures: int) -> str:
+        """Why its key runs eagerly: what it reads changed once more after ``captures``
+        captures."""
+        if self.unfrozen or self.rehooked:
+            return (f"{self.invalid_reason}, again after {captures} captures; keep its "
+                    f"modules' hooks and their parameters' requires_grad as they are between "
+                    f"calls, or run it eagerly")
+        return (f"{self.invalid_reason}, which its graph reads by address, was freed or "
+                f"replaced again after {captures} captures; update it in place instead of "
+                f"replacing it")
 
     def watch_reads(self) -> None:
         """Hold the tensors read by address, and the private generators drawn from, weakly

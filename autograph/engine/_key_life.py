@@ -328,12 +328,10 @@ class KeyLife:
     def _invalidate(self) -> None:
         graph, self.graph = self.graph, None
         graph.release()
+        self.trains = self.trains or graph.unfrozen  # its outputs will need gradients now
         self.recaptures += 1
         if self.recaptures > MAX_RECAPTURES:
-            self.fall_back(
-                f"{graph.invalid_reason}, which its graph reads by address, was freed or "
-                f"replaced again after {MAX_RECAPTURES} captures; update it in place instead "
-                f"of replacing it")
+            self.fall_back(graph.changed_again(MAX_RECAPTURES))
             return
         logger.info("%s(%s): %s was freed or replaced since capture; capturing again",
                     self.function.name, self.label, graph.invalid_reason)

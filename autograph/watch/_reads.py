@@ -182,6 +182,7 @@ class Survey:
         # The random generators reachable, by the generator's identity: the caller's objects
         # (an op is handed its own Python object for a generator).
         self.generators: Dict[int, ReachedGenerator] = {}
+        self.modules: Dict[int, torch.nn.Module] = {}  # the modules reached, by id
         self._seen: Set[int] = set()
         self._budget = _MAX_NODES
         for path, root in roots:
@@ -209,6 +210,7 @@ class Survey:
             return
         self._seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
+            self.modules[id(obj)] = obj
             for group in ("_parameters", "_buffers", "_modules"):
                 for key, value in getattr(obj, group).items():
                     if value is not None:

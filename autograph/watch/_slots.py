@@ -12,12 +12,19 @@ that was reached as an attribute (a module's parameter or buffer, an object's at
 remembered with its owner (held weakly) and name, and a replay first checks that the owner
 still holds that very tensor there.
 
+A parameter can also keep its identity and move to other memory: ``p.data = other`` (an EMA
+swap, ``p.data, e.data = e.data, p.data``, keeps both memories alive). So each slot's storage
+address is kept too, and compared after such an assignment to any parameter.
+
 Checking every slot costs a dictionary look-up per tensor: a training graph checks on every
 call (its backward dwarfs that); an inference graph checks only after a module registered a
 parameter, buffer or submodule anywhere (torch's global registration hooks, installed while a
-watch lives), so its replay costs one integer comparison. An inference graph therefore misses
-a module's plain tensor attribute (not a buffer) rebound while the old one stays alive
-(README, Limits).
+watch lives) or a parameter's ``.data`` assignment (torch has no hook for it: while a watch
+lives, ``nn.Parameter.data`` is a Python property over the C one), so its replay costs one
+integer comparison. An inference graph therefore misses a module's plain tensor attribute (not
+a buffer) rebound while the old one stays alive, and a buffer's ``.data`` assigned while the
+old memory stays alive; any graph misses memory swapped by ``p.set_(other)`` or
+``torch.utils.swap_tensors`` while the old stays alive (README, Limits).
 """
 from __future__ import annotations
 
@@ -27,11 +34,23 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.nn.modules import module as _module
 
+from ._reads import storage_ptr
+
 Tensor = torch.Tensor
 
 
+_tensor_data = torch._C.TensorBase.data  # the C property: ``t.data`` and ``t.data = d``
+
+
+def _set_data(tensor: Tensor, data: Tensor) -> None:
+    _tensor_data.__set__(tensor, data)
+    Registrations.count += 1
+
+
 class Registrations:
-    """Counts parameter, buffer and submodule registrations while any watch lives."""
+    """Counts parameter, buffer and submodule registrations, and ``p.data = d`` assignments to
+    parameters (an EMA swap, ``p.data, e.data = e.data, p.data``, moves a parameter to other
+    memory and keeps the old alive), while any watch lives."""
 
     count = 0
     _handles: List[Any] = []
@@ -48,6 +67,11 @@ class Registrations:
                 _module.register_module_parameter_registration_hook,
                 _module.register_module_buffer_registration_hook,
                 _module.register_module_module_registration_hook)]
+            # torch has no hook for the setter: a parameter's ``.data`` is a Python property
+            # over the C one while a watch lives (Dynamo traces ``.data`` by name, not by
+            # this; plain tensors, and subclasses with a ``__torch_function__``, keep theirs).
+            torch.nn.Parameter.data = property(  # type: ignore[method-assign]
+                _tensor_data.__get__, _set_data, doc=_tensor_data.__doc__)
         cls._watches += 1
 
     @classmethod
@@ -57,6 +81,7 @@ class Registrations:
             for handle in cls._handles:
                 handle.remove()
             cls._handles = []
+            del torch.nn.Parameter.data  # the C property again
 
 
 registrations = Registrations
@@ -66,7 +91,7 @@ class SlotWatch:
     """The owners, names and tensors of a graph's reads by address reached as attributes."""
 
     def __init__(self, survey: Any, external: Dict[int, Tensor]):
-        self.slots: List[Tuple[Any, str, str, Any, str]] = []
+        self.slots: List[Tuple[Any, str, str, Any, int, str]] = []
         for ptr in external:
             found = survey.slots.get(ptr)
             if found is None:
@@ -76,7 +101,8 @@ class SlotWatch:
                 owner_ref = weakref.ref(owner)
             except TypeError:  # an object without weak references: the freed watch only
                 continue
-            self.slots.append((owner_ref, group, key, weakref.ref(tensor), survey.names[ptr]))
+            self.slots.append((owner_ref, group, key, weakref.ref(tensor), ptr,
+                               survey.names[ptr]))
         self.seen = Registrations.count
         if self.slots:
             Registrations.add_watch()
@@ -85,16 +111,20 @@ class SlotWatch:
     def changed(self, always: bool) -> Optional[str]:
         """The name of a slot that no longer holds its tensor, or None. Unless ``always``,
         only checked after a registration since the last check."""
-        if not always and self.seen == Registrations.count:
+        moved = self.seen != Registrations.count
+        if not always and not moved:
             return None
         self.seen = Registrations.count
-        for owner_ref, group, key, tensor_ref, name in self.slots:
+        for owner_ref, group, key, tensor_ref, ptr, name in self.slots:
             owner = owner_ref()
             if owner is None:  # gone with its owner: the freed watch tells of its tensors
                 continue
             held = getattr(owner, group, None)
-            if not isinstance(held, dict) or held.get(key) is not tensor_ref():
+            tensor = held.get(key) if isinstance(held, dict) else held
+            if not isinstance(held, dict) or tensor is not tensor_ref():
                 return f"{name} (replaced since capture)"
+            if moved and tensor is not None and storage_ptr(tensor) != ptr:
+                return f"{name} (its .data replaced since capture)"
         return None
 
 
