@@ -13,8 +13,9 @@ remembered with its owner (held weakly) and name, and a replay first checks that
 still holds that very tensor there.
 
 A parameter can also keep its identity and move to other memory: ``p.data = other`` (an EMA
-swap, ``p.data, e.data = e.data, p.data``, keeps both memories alive). So each slot's storage
-address is kept too, and compared after such an assignment to any parameter.
+swap, ``p.data, e.data = e.data, p.data``, keeps both memories alive). So each slot's data
+address is kept too, and compared after such an assignment to any parameter (about 0.1 us a
+slot, once per assignment).
 
 Checking every slot costs a dictionary look-up per tensor: a training graph checks on every
 call (its backward dwarfs that); an inference graph checks only after a module registered a
@@ -33,8 +34,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.nn.modules import module as _module
-
-from ._reads import storage_ptr
 
 Tensor = torch.Tensor
 
@@ -101,7 +100,7 @@ class SlotWatch:
                 owner_ref = weakref.ref(owner)
             except TypeError:  # an object without weak references: the freed watch only
                 continue
-            self.slots.append((owner_ref, group, key, weakref.ref(tensor), ptr,
+            self.slots.append((owner_ref, group, key, weakref.ref(tensor), tensor.data_ptr(),
                                survey.names[ptr]))
         self.seen = Registrations.count
         if self.slots:
@@ -115,7 +114,7 @@ class SlotWatch:
         if not always and not moved:
             return None
         self.seen = Registrations.count
-        for owner_ref, group, key, tensor_ref, ptr, name in self.slots:
+        for owner_ref, group, key, tensor_ref, address, name in self.slots:
             owner = owner_ref()
             if owner is None:  # gone with its owner: the freed watch tells of its tensors
                 continue
@@ -123,7 +122,7 @@ class SlotWatch:
             tensor = held.get(key) if isinstance(held, dict) else held
             if not isinstance(held, dict) or tensor is not tensor_ref():
                 return f"{name} (replaced since capture)"
-            if moved and tensor is not None and storage_ptr(tensor) != ptr:
+            if moved and tensor is not None and tensor.data_ptr() != address:
                 return f"{name} (its .data replaced since capture)"
         return None
 
