@@ -76,9 +76,11 @@ def _hooks_added_then_removed(call, twin, x, add):
     with torch.no_grad():
         _as_eagerly_thrice(call, twin, x)
         handles = add()
-        _as_eagerly_thrice(call, twin, x)
-        for handle in handles:
-            handle.remove()
+        try:
+            _as_eagerly_thrice(call, twin, x)
+        finally:  # a global hook must not outlive the test
+            for handle in handles:
+                handle.remove()
         _as_eagerly_thrice(call, twin, x)
 
 
@@ -123,6 +125,19 @@ def test_a_top_level_hook_removed_after_capture_in_a_region_stops_applying(devic
     [(state, calls, eager_calls, replays)] = states(model)
     assert (state, calls, eager_calls, replays) == ("graphed", 6, 1, 5)
 
+
+
+def test_a_global_forward_hook_added_after_capture_applies_and_stops_when_removed(device):
+    model, twin = autograph.graphed(backbone(device)), backbone(device)
+    x = batch(device)
+
+    def double_gelus(module, args, output):  # every GELU's output doubled, both models'
+        return output * 2 if isinstance(module, torch.nn.GELU) else None
+
+    _hooks_added_then_removed(model, twin, x, lambda: [
+        torch.nn.modules.module.register_module_forward_hook(double_gelus)])
+    [(state, calls, eager_calls, replays)] = states(model)
+    assert (state, calls, eager_calls, replays) == ("graphed", 9, 1, 8)
 
 # ---- a module backward hook added after a training capture ----
 
