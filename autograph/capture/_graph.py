@@ -14,15 +14,14 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
-
-from ._plan import InputPlan
 from torch.utils.hooks import RemovableHandle
 
 from ..watch._frozen import FrozenReads
 from ..watch._module_hooks import HookWatch
 from ..watch._reads import GradSlots, ReadWatch, Survey
-from ._recording import CaptureRequest, Recorded, record
 from ..watch._slots import GeneratorSlots, SlotWatch, registrations
+from ._plan import InputPlan
+from ._recording import CaptureRequest, Recorded, record
 
 Tensor = torch.Tensor
 
