@@ -306,6 +306,7 @@ class TrainingGraph(Graph):
             request, outputs.owned, needs, [inputs.statics[i] for i in trained], leaves)
         graph.backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs,
                                    trained, leaves, list(reads.frozen.values()), recorded.survey)
+        graph.frozen = None  # its backward checks the frozen parameters its forward's ops read
         graph.capture_seconds += graph.backward.seconds
         graph.memory_bytes += graph.backward.memory_bytes
         return graph
