@@ -229,3 +229,17 @@ def test_a_frozen_backbone_unfrozen_after_capture_in_a_region_gets_its_gradient(
         assert same(grads(body, tops[0]), grads(twin, tops[1])), step
     rows = [(s.state, s.replays) for s in autograph.stats(body)]
     assert len(rows) == 1 and rows[0][0] == "graphed" and rows[0][1] >= 2
+
+
+def test_ema_weights_swapped_in_with_data_are_used_by_replays_in_a_region(device):
+    model, ema = backbone(device), backbone(device, seed=5)
+    twin, twin_ema = backbone(device), backbone(device, seed=5)
+    region, x = autograph.region(), batch(device)
+    with torch.no_grad():
+        for step in range(6):
+            if step == 3:
+                _swap(model, ema)
+                _swap(twin, twin_ema)
+            assert torch.equal(_in_region(region, model, x), twin(x)), step
+    [(state, calls, eager_calls, replays)] = states(model)
+    assert (state, calls, eager_calls, replays) == ("graphed", 6, 1, 5)  # captured again once
