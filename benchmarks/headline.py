@@ -74,18 +74,21 @@ def render_headline(results: list) -> str:
     return f"Measured on {'; '.join(envs)}:\n\n{table}"
 
 
+SPAN = re.compile(re.escape(BEGIN) + r"\n(.*?)" + re.escape(END), re.S)
+
+
 def readme_table(text: str) -> str:
     """The table between README's markers (what ``write_readme`` put there)."""
-    found = re.search(re.escape(BEGIN) + r"\n(.*?)\n" + re.escape(END), text, re.S)
+    found = SPAN.search(text)
     if not found:
         raise ValueError(f"README.md has no benchmark table between {BEGIN!r} and {END!r}")
-    return found.group(1)
+    return found.group(1).rstrip("\n")
 
 
 def write_readme(results: list, path: str = README) -> None:
     with open(path) as fh:
         text = fh.read()
-    old = readme_table(text)
+    readme_table(text)  # the markers are there
+    table = render_headline(results)
     with open(path, "w") as fh:
-        fh.write(text.replace(BEGIN + "\n" + old + "\n", BEGIN + "\n" + render_headline(results)
-                              + "\n", 1))
+        fh.write(SPAN.sub(lambda _: f"{BEGIN}\n{table}\n{END}", text, count=1))
