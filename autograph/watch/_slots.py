@@ -17,7 +17,7 @@ call (its backward dwarfs that); an inference graph checks only after a module r
 parameter, buffer or submodule anywhere (torch's global registration hooks, installed while a
 watch lives), so its replay costs one integer comparison. An inference graph therefore misses
 a module's plain tensor attribute (not a buffer) rebound while the old one stays alive
-(README, Limits).
+(docs/guide/limits.md).
 """
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ class GeneratorSlots:
         for generator in drawn:
             found = survey.generators.get(generator._cdata)
             if found is None or found.slot is None:
-                continue  # not reached as an attribute (a closure, a global): README, Limits
+                continue  # not reached as an attribute (a closure, a global): docs/guide/limits.md
             owner, group, key = found.slot
             try:
                 slots.append((weakref.ref(owner), group, key, generator._cdata, found.path))
