@@ -109,3 +109,15 @@ def test_ratios_in_the_guides_are_measured_ones():
         text = page.read_text()
         stale = [r for r in re.findall(r"\b\d\.\d{3}x", text) if r not in results]
         assert not stale, f"{page.name}: {stale} are not in benchmarks/RESULTS.md"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the docs show the CPU emulation's run")
+def test_the_sample_messages_in_the_docs_are_what_the_example_prints():
+    done = subprocess.run([sys.executable, "why_eager.py"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT / "examples")
+    assert done.returncode == 0, done.stderr
+    printed = done.stderr.replace(str(ROOT / "examples") + "/", "")
+    shown = code_block((DOCS / "guide" / "why-eager.md").read_text(), "", "## The messages")
+    assert shown.strip() and all(line in printed for line in shown.strip().splitlines())
+    table = code_block((DOCS / "guide" / "seeing.md").read_text(), "", "examples/why_eager.py")
+    assert all(line in done.stdout for line in table.strip().splitlines()[2:] if "eager" in line)
