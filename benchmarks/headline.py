@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import re
 
-from run import RESULTS_DIR, describe_env, figure, format_rows, load_results
+# Re-exported for tests/test_readme.py: the results the README is checked against.
+from run import RESULTS_DIR, describe_env, figure, format_rows, load_results  # noqa: F401
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 BEGIN = "<!-- benchmark table: written by benchmarks/run.py --render; do not edit by hand -->"

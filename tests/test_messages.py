@@ -10,6 +10,7 @@ import autograph
 from autograph import _config
 from autograph.api._report import DISABLED, EMULATED
 from autograph.cli._demo import cost_words
+
 from conftest import states
 
 

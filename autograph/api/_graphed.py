@@ -259,7 +259,7 @@ def graphed(fn: F) -> F: ...
 @overload
 def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
             strict: Optional[bool] = ..., buckets: Optional[Sequence[int]] = ...,
-            bucket_args: Optional[Dict[str, Any]] = ..., bucket_outputs: Any = ...,
+            bucket_args: Optional[Dict[str, Any]] = ...,
             static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
             bucket_outputs: Any = ..., verify: Optional[int] = ..., islands: bool = ...,
             check_payoff: bool = ...) -> Callable[[F], F]: ...

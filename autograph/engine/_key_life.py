@@ -112,7 +112,8 @@ def _key_stats(life: "KeyLife") -> KeyStats:
         capture_seconds=graph.capture_seconds if graph else None,
         graph_bytes=graph.memory_bytes if graph else 0,
         fallback_reason=life.reason, bucket=life.bucket, sizes=dict(life.sizes) or None,
-        verified=life.verified, gain=life.gain, emulated=getattr(life.backend, "device_type", None) == "cpu")
+        verified=life.verified, gain=life.gain,
+        emulated=getattr(life.backend, "device_type", None) == "cpu")
 
 
 class KeyLife:

@@ -6,8 +6,8 @@ allocator, and reseeding or restoring random generators.
 
 The guard's dispatch mode sees every ATen op; these calls never reach it, so they are patched,
 temporarily and per thread: ``torch.cuda.synchronize``, ``empty_cache``, the ``Stream`` and
-``Event`` waits, ``print()`` of a tensor on the graphed device, and the calls that reseed or restore a random
-generator (``torch.manual_seed``, ``torch.seed``, ``torch.set_rng_state``, their
+``Event`` waits, ``print()`` of a tensor on the graphed device, and the calls that reseed or
+restore a random generator (``torch.manual_seed``, ``torch.seed``, ``torch.set_rng_state``, their
 ``torch.random`` and ``torch.cuda`` forms and ``torch.random.fork_rng``): a replay does not run
 Python, so a reseed would happen at capture only. The outermost call is reported, at the
 user's line. The patches are installed while any thread watches, and report only to the
