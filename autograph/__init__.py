@@ -9,9 +9,10 @@
 
 Each call is keyed on its inputs and execution state; a key is warmed up eagerly, captured
 once into a CUDA graph, then replayed. What cannot be graphed runs eagerly, with a warning that
-says why and where. See the README, and docs/design.md for how it is built.
+says why and where. The guides are in docs/ (README.md links them), and docs/design.md says
+how it is built.
 """
-from typing import Any
+import typing as _typing
 
 from .backends._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     # ``autograph.testing`` (the CPU emulation) is imported on first use: an ordinary graphed
     # program never loads it.
     if name == "testing":
@@ -53,3 +54,8 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module(".testing", __name__)
     raise AttributeError(f"module 'autograph' has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    # The public names only: the subpackages and what the package imports are not API.
+    return sorted([*__all__, "__version__"])

@@ -30,7 +30,9 @@ class KeyStats:
     ``verified`` counts the replays that verify mode checked against an eager run and found
     equal. ``gain`` is eager's time over the replay's as measured on the GPU clock after
     capture (``check_payoff``): 1.8 means the graph runs 1.8x as fast; below 1 the key went
-    eager. Every field is a plain value: ``dataclasses.asdict(row)`` is JSON-ready.
+    eager. ``emulated`` is True for a key graphed by the CPU emulation of CUDA graphs
+    (``autograph.testing``), whose capture time and memory mean nothing. Every field is a
+    plain value: ``dataclasses.asdict(row)`` is JSON-ready.
     """
 
     function: str
@@ -46,6 +48,7 @@ class KeyStats:
     sizes: Optional[Dict[int, int]] = None  # bucketed keys: calls by their real size
     verified: int = 0  # replays checked against an eager run (verify=n) and found equal
     gain: Optional[float] = None  # eager time / replay time, measured after capture
+    emulated: bool = False  # graphed by the CPU emulation: its timings and memory mean nothing
 
     @property
     def padding_waste(self) -> Optional[float]:

@@ -9,7 +9,7 @@ three, one generate() call each; tokens are checked against the same round's eag
 30-60 s on an H200. ``disable_compile=True``: with a StaticCache on CUDA, transformers (5.17)
 compiles the decode step itself with CUDA graphs (torch.compile's CUDAGraph Trees), and
 autograph.graphed(model.generate) around that path fails ("tensors in the cudagraph pool not
-tracked as outputs", seen on the H200): a limit, in README Limits."""
+tracked as outputs", seen on the H200): a limit, in docs/guide/limits.md."""
 from __future__ import annotations
 
 import copy

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 benchmarks/run.py                      # every case, print the table
     PYTHONPATH=$PWD python3 benchmarks/run.py --cases de --write   # run (d), (e); merge, render
-    PYTHONPATH=$PWD python3 benchmarks/run.py --render             # RESULTS.md + chart only
+    PYTHONPATH=$PWD python3 benchmarks/run.py --render             # RESULTS.md, chart, README
 
 Cases (letters for --cases; estimated wall time on an H200, process start included):
   a  MLP 32x512 bf16 at batch 1                                      ~20 s
@@ -24,9 +24,10 @@ time limit still shows where it was.
 
 ``--write`` saves each case's rows as ``benchmarks/results/case_<letter>.json`` (with the date,
 GPU, torch and Python of its run; a later run of a case replaces its file), then renders
-``benchmarks/RESULTS.md`` and ``benchmarks/results.png`` from every JSON file there, so several
-invocations (one per 10-minute device call) merge. With ``--results-dir DIR``, RESULTS.md and
-results.png are written in DIR instead. ``--out DIR`` also copies the JSON files,
+``benchmarks/RESULTS.md``, ``benchmarks/results.png`` and README.md's table of figures
+(``benchmarks/headline.py``) from every JSON file there, so several invocations (one per
+10-minute device call) merge. With ``--results-dir DIR``, RESULTS.md and results.png are
+written in DIR instead, and README.md is left alone. ``--out DIR`` also copies the JSON files,
 RESULTS.md and the chart into DIR as they are written (a device run's $OUT). The chart needs
 matplotlib (a benchmark-only dependency, imported when drawing); without it the chart is
 skipped with a note. ``notes.md`` next to the JSON files, when there, is written under the
@@ -307,6 +308,9 @@ def render(results_dir, markdown_path, chart_path, out=None):
     notes = open(notes_path).read() if os.path.exists(notes_path) else ""
     with open(markdown_path, "w") as fh:
         fh.write(render_markdown(results, chart_note, notes))
+    if os.path.abspath(results_dir) == RESULTS_DIR:  # README's table: these results only
+        from headline import write_readme
+        write_readme(results)
     print(f"wrote {markdown_path} ({sum(len(r['rows']) for r in results)} rows from "
           f"{len(results)} case(s)); {chart_note}", file=sys.stderr)
     if out:
@@ -382,9 +386,11 @@ def main(argv=None):
                         help=f"case letters to run, e.g. 'abc' (default {DEFAULT_CASES})")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
     parser.add_argument("--write", action="store_true",
-                        help="save each case's JSON, then render RESULTS.md and the chart")
+                        help="save each case's JSON, then render RESULTS.md, the chart and "
+                             "README's table")
     parser.add_argument("--render", action="store_true",
-                        help="only render RESULTS.md and the chart from the JSON files")
+                        help="only render RESULTS.md, the chart and README's table from the "
+                             "JSON files")
     parser.add_argument("--results-dir", default=None,
                         help="where the per-case JSON files are (default benchmarks/results)")
     parser.add_argument("--markdown", help=argparse.SUPPRESS)

@@ -752,7 +752,7 @@ def test_a_private_generator_reseeded_between_replays_draws_eagers_sequence(devi
 
 @pytest.mark.skipif(not _generators_take_weak_references(), reason=(
     "torch < 2.12: a torch.Generator takes no weak reference, so a generator rebound after "
-    "capture goes unseen (README, Limits)"))
+    "capture goes unseen (docs/guide/limits.md)"))
 def test_a_private_generator_rebound_after_capture_is_drawn_from(device):
     state = {"generator": torch.Generator(device=device).manual_seed(0)}
 

@@ -122,7 +122,7 @@ def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:
     life.warmups, life.phase = 0, WARMUP
     shown = "; ".join(made[:3]) + (f"; and {len(made) - 3} more" if len(made) > 3 else "")
     warn_user(f"{life.function.name}.capture({life.label}): not captured: its warmup changed "
-              f"Python state ({shown}), now taken back, and a graph captured after it would "
+              f"Python state ({shown}), now undone, and a graph captured after it would "
               f"replay what later calls do, not the first call. Call it once before capture(),"
               f" or let its first calls warm up and capture.")
 

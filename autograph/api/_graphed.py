@@ -54,7 +54,7 @@ class GraphedFunction(wrapt.FunctionWrapper):
 
         With ``buckets``, every size is captured, largest first, into the function's one pool
         (the example is cut or padded to each size). The warmup runs the function for real
-        and then takes its effects back (arguments, tensors it writes by address such as a
+        and then its effects are undone (arguments, tensors it writes by address such as a
         KV cache, module buffers, random generators), and capturing runs nothing: the caller's
         state is as before. Returns the stats of the keys captured.
         """
@@ -275,19 +275,34 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     ... def decode(ids, pos): ...
     >>> model = autograph.graphed(model)      # same module; its forward is graphed
 
-    Options: ``warmup`` (eager calls per key before capture, >= 1, default 1), ``outputs``
-    (``"copy"``: the caller owns the outputs, the default; ``"static"``: the graph's buffers,
-    valid until the next call, stale reads raise), ``max_graphs`` (graphs per function, or
-    per instance for methods; later keys run eagerly, default 16), ``strict`` (raise
-    ``CaptureError`` instead of falling back; default from ``AUTOGRAPH_STRICT``), ``buckets``
-    (capture sizes a call's dynamic dimension is padded up to) and ``bucket_args`` (which
-    arguments, dims and pad values), ``static_argnames`` / ``static_argnums`` (tensors used by
-    address, never copied), ``verify`` (replays of each key checked against an eager run;
-    default from ``AUTOGRAPH_VERIFY``), ``islands`` (a key that runs eagerly still graphs the
-    module calls inside it, as a region does; default True), ``check_payoff`` (on CUDA, a
-    key's first calls after capture time its replay against its eager run, and a graph that
-    does not beat eager is dropped, said once; default True). Options set here win over those
-    of an enclosing ``autograph.region``. See the README's Options table.
+    Options, all keyword-only (docs/guide/options.md has the details):
+
+    - ``warmup=1``: eager calls of each new key before it is captured (>= 1).
+    - ``outputs="copy"``: the caller owns the outputs; ``"static"`` returns the graph's own
+      buffers, valid until the next call of a graph of the same function, and reading a
+      stale one raises.
+    - ``max_graphs=16``: graphs per function (per instance, for methods); keys past it run
+      eagerly, said once. Keys that never got a graph do not count.
+    - ``strict``: raise ``autograph.CaptureError`` instead of running a key eagerly; the
+      default comes from ``AUTOGRAPH_STRICT``.
+    - ``buckets=[1, 2, 4, ...]``: capture sizes for a dynamic dimension; a call of size B
+      replays the graph of the smallest bucket >= B, padded, its outputs sliced back to B.
+    - ``bucket_args={"ids": 0, "mask": (0, pad_value)}``: which arguments are padded, along
+      which dim, with which value (default: dim 0 of every tensor whose dim 0 is the call's
+      size, padded with zeros).
+    - ``bucket_outputs=0`` (or one entry per output: an int, a tuple of ints, or ``None`` for
+      an output returned whole): the output dims that follow the batch and are sliced back,
+      checked against every run; without it they are found from runs at two sizes.
+    - ``static_argnames`` / ``static_argnums``: tensors used by address (a KV cache), never
+      copied in or out; a new address is a new key.
+    - ``verify``: the first n replays of each key are checked against an eager run of the
+      same call; the default comes from ``AUTOGRAPH_VERIFY``.
+    - ``islands=True``: a key that runs eagerly still graphs the top-level module calls it
+      makes, as a region would.
+    - ``check_payoff=True``: on CUDA, a key's first calls after capture time its replay
+      against its eager run, and a graph that does not beat eager is dropped, said once.
+
+    Options set here win over those of an enclosing ``autograph.region``.
     """
     check_option_names(options, "autograph.graphed")
     Options(**options)  # validate now, not at the first call

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import shutil
 import sys
+import textwrap
 from collections import Counter
 from typing import Any, List, Optional, Set, TextIO
 
@@ -83,15 +84,27 @@ def report(target: Any = None, file: Optional[TextIO] = None) -> None:
     >>> autograph.report(model)
 
     On a terminal, long keys and fallback reasons wrap to its width; elsewhere (a file, a
-    pipe) each key is one line. ``stats()`` has the same rows as dataclasses.
+    pipe) each key is one line. ``stats()`` has the same rows as dataclasses. A note under
+    the table says when keys ran on the CPU emulation, whose capture times and memory mean
+    nothing; under ``AUTOGRAPH_DISABLE=1`` it says that autograph is disabled.
     """
     rows = stats(target)
     file = file or sys.stdout
     isatty = getattr(file, "isatty", None)
     width = shutil.get_terminal_size().columns if isatty is not None and isatty() else None
-    text = (_stats.format_table(rows, width) if rows
-            else "autograph: no graphed function has been called.")
-    print(text, file=file)
+    notes = [DISABLED] if _config.ENV.disable else [] if rows else [
+        "autograph: no graphed function has been called."]
+    if any(row.emulated and row.capture_seconds is not None for row in rows):
+        notes.append(EMULATED)
+    lines = [_stats.format_table(rows, width)] if rows else []
+    lines += [textwrap.fill(note, width) if width else note for note in notes]
+    print("\n".join(lines), file=file)
+
+
+DISABLED = ("autograph is disabled (AUTOGRAPH_DISABLE=1 in the environment): every graphed "
+            "function and region runs eagerly, and nothing is captured or counted.")
+EMULATED = ("Keys on cpu ran on the CPU emulation of CUDA graphs (autograph.testing): their "
+            "capture times and memory are the emulation's and mean nothing for a GPU.")
 
 
 def _log_fallbacks_at_exit() -> None:

@@ -15,6 +15,27 @@ import autograph
 from autograph import _config
 
 
+EMULATION = """\
+To run graphed code on this machine anyway (to try it, and in tests), use the CPU emulation of
+CUDA graphs: the real engine on CPU tensors, with a recorded-op replay standing in for a graph
+(its timings mean nothing).
+
+    from autograph.testing import emulate_graphs_on_cpu
+    with emulate_graphs_on_cpu():          # also a decorator
+        for _ in range(3):
+            step(torch.randn(8, 512))      # a warmup, a capture, a replay, as on a GPU
+
+In pytest, a fixture turns it on for the tests that ask for it:
+
+    @pytest.fixture
+    def emulated():
+        with emulate_graphs_on_cpu():
+            yield
+        autograph.reset()
+
+docs/guide/testing.md says what it models and what it does not."""
+
+
 def doctor() -> int:
     print(versions())
     print(f"environment: AUTOGRAPH_DISABLE={int(_config.ENV.disable)} "
@@ -22,10 +43,12 @@ def doctor() -> int:
     if torch.version.cuda is None:
         print("torch is a CPU build: every graphed call runs eagerly. Install a CUDA build of "
               "torch to use CUDA graphs.")
+        print(EMULATION)
         return 0
     if not torch.cuda.is_available():
         print(f"torch is built for CUDA {torch.version.cuda}, but no GPU is visible: every "
               f"graphed call runs eagerly.")
+        print(EMULATION)
         return 0
     print(f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s); cuda:0 is "
           f"{torch.cuda.get_device_name(0)} (compute capability "

@@ -97,6 +97,12 @@ class Call:
             self.region.note(life, event)
 
 
+def strict_words(call: str, reason: str) -> str:
+    """``CaptureError``'s message under ``strict``: the call raises, it does not run eagerly."""
+    return f"{call} cannot be graphed, and strict mode raises instead of running it eagerly: " \
+        f"{reason}"
+
+
 def _key_stats(life: "KeyLife") -> KeyStats:
     """A snapshot of ``life``'s counters."""
     graph = life.graph
@@ -106,7 +112,8 @@ def _key_stats(life: "KeyLife") -> KeyStats:
         capture_seconds=graph.capture_seconds if graph else None,
         graph_bytes=graph.memory_bytes if graph else 0,
         fallback_reason=life.reason, bucket=life.bucket, sizes=dict(life.sizes) or None,
-        verified=life.verified, gain=life.gain)
+        verified=life.verified, gain=life.gain,
+        emulated=getattr(life.backend, "device_type", None) == "cpu")
 
 
 class KeyLife:
@@ -349,9 +356,9 @@ class KeyLife:
         message = f"{self.function.name}({self.label}) runs eagerly: {reason}"
         logger.info(message)
         if strict and self.options.raises_on_fallback:
-            self.strict_error = message
+            self.strict_error = strict_words(f"{self.function.name}({self.label})", reason)
             if raise_now:
-                raise CaptureError(message)
+                raise CaptureError(self.strict_error)
         elif warn and not in_an_island():  # an island's fallbacks: in stats, not warned
             warn_user(message)
 

@@ -29,6 +29,7 @@ both decrement the last count, and a negative count must end the pass-through, n
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable, List, Optional, Sequence
 
 from .._stats import KeyStats
@@ -52,7 +53,7 @@ class Churn:
 
     __slots__ = ("function", "window", "orphans", "first", "longest", "left", "length",
                  "streak", "died_unused", "replays_seen", "passed", "looks", "last_parts",
-                 "last_change")
+                 "last_change", "numbers")
 
     def __init__(self, function: str, window: int = WINDOW, first: int = FIRST_PASS,
                  longest: int = LONGEST_PASS, orphans: int = ORPHANS):
@@ -67,6 +68,7 @@ class Churn:
         self.looks = 0  # pass-throughs that ended in a look
         self.last_parts: Sequence[str] = ()  # the readable pieces of the last new key
         self.last_change: Optional[str] = None  # what differed between the last two new keys
+        self.numbers: List[str] = []  # the Python number arguments among those differences
 
     def new_key(self, entries: Iterable[Any], parts: Sequence[str] = ()) -> bool:
         """Note a new key of the cache; True if the calls after this one pass through.
@@ -80,9 +82,9 @@ class Churn:
             self._paid()
         self.streak += 1
         change = _what_changed(self.last_parts, parts)
-        self.last_parts = parts
         if change:
-            self.last_change = change
+            self.last_change, self.numbers = change, _changed_numbers(self.last_parts, parts)
+        self.last_parts = parts
         if self.streak < self.window and self.died_unused < self.orphans:
             return False
         self.passed = self.calls_passed()
@@ -158,13 +160,19 @@ class Churn:
         if self.died_unused:
             return ("Pass the same object on every call, updated in place (for a KV cache, one "
                     "StaticCache, reset between sequences), to have it graphed")
+        if self.numbers:
+            names = " and ".join(self.numbers)
+            return (f"A Python number is part of the key, so each new value of {names} is a new "
+                    f"key: pass it as a tensor on the function's device (torch.tensor(value, "
+                    f"device=...), updated in place with .fill_()), which a graph reads on "
+                    f"every replay, to have it graphed")
         return ("Give that argument a fixed size (pad it; for a KV cache use a fixed-size one "
                 "such as transformers' StaticCache) to have it graphed")
 
     def reset(self) -> None:
         self.left = self.length = self.streak = self.died_unused = self.replays_seen = 0
         self.passed = self.looks = 0
-        self.last_parts, self.last_change = (), None
+        self.last_parts, self.last_change, self.numbers = (), None, []
 
 
 def _what_changed(before: Sequence[str], after: Sequence[str]) -> str:
@@ -172,3 +180,19 @@ def _what_changed(before: Sequence[str], after: Sequence[str]) -> str:
         return ""
     changes: List[str] = [f"{b} became {a}" for b, a in zip(before, after) if b != a]
     return "; ".join(changes[:3])
+
+
+# A key's part for a Python number argument: ``name=repr(value)`` (capture/_keys.py).
+_NUMBER = re.compile(r"^(.+?)=[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|inf|nan)$")
+
+
+def _changed_numbers(before: Sequence[str], after: Sequence[str]) -> List[str]:
+    """The names of the Python number arguments whose value differs between two keys."""
+    if len(before) != len(after):
+        return []
+    names = []
+    for b, a in zip(before, after):
+        old, new = _NUMBER.match(b), _NUMBER.match(a)
+        if b != a and old and new and old.group(1) == new.group(1):
+            names.append(new.group(1))
+    return names

@@ -45,8 +45,7 @@ from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
 from ._modes import BOTH, Observer
-from ._unsafe_ops import (CPU_CONSEQUENCE, CPU_OPERATION, TRAITS, judged_apart, traits_of,
-                          unsafe_op)
+from ._unsafe_ops import CPU_OPERATION, TRAITS, judged_apart, traits_of, unsafe_op
 
 _OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
 
@@ -140,13 +139,25 @@ def _optimizer_words(optimizer: torch.optim.Optimizer) -> Tuple[str, str]:
         return _not_capturable(name), (
             "keeps its step count on the CPU, which a graph freezes at capture: create it "
             f"with {name}(..., capturable=True)")
-    return f"{name}.step()", CPU_CONSEQUENCE
+    return f"{name}.step()", ("runs on the CPU, which a graph freezes at capture: step this "
+                              "optimizer outside the graphed function")
+
+
+def host_read_fix(operation: str) -> str:
+    """What to write instead of a host read named ``operation`` (``_host_read_name``)."""
+    if operation == "a tensor used as a Python condition":
+        return ("a graph would freeze the branch taken at capture: choose on the GPU with "
+                "torch.where(condition, a, b), or decide outside the graphed function")
+    without = f" (without {operation})" if operation == ".item()" else ""
+    return ("a graph would freeze the value read at capture: keep it a tensor" + without +
+            ", or read it outside the graphed function")
 
 
 def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
     location, source = location_of_caller(frame)
     if operation == "host read":
         operation = _host_read_name(source)
+        consequence = f"{consequence}, and {host_read_fix(operation)}"
     elif operation == CPU_OPERATION:
         optimizer = optimizer_running(frame)
         if optimizer is not None:
@@ -281,8 +292,9 @@ def _named_cause(text: str, source: str) -> Optional[Tuple[str, str]]:
     if _LEGACY_STREAM in text:
         return "gradient accumulation into a parameter", _STALE_ACCUMULATOR
     if _NOT_PERMITTED in text and _host_read_name(source) != _UNNAMED_READ:
-        return _host_read_name(source), (
-            f"{_SYNC_CONSEQUENCE}: CUDA stopped the capture ({_NOT_PERMITTED})")
+        operation = _host_read_name(source)
+        return operation, (f"{_SYNC_CONSEQUENCE}: CUDA stopped the capture ({_NOT_PERMITTED}); "
+                           f"{host_read_fix(operation)}")
     return None
 
 

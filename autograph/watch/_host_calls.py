@@ -6,8 +6,8 @@ allocator, and reseeding or restoring random generators.
 
 The guard's dispatch mode sees every ATen op; these calls never reach it, so they are patched,
 temporarily and per thread: ``torch.cuda.synchronize``, ``empty_cache``, the ``Stream`` and
-``Event`` waits, ``print()`` of a GPU tensor, and the calls that reseed or restore a random
-generator (``torch.manual_seed``, ``torch.seed``, ``torch.set_rng_state``, their
+``Event`` waits, ``print()`` of a tensor on the graphed device, and the calls that reseed or
+restore a random generator (``torch.manual_seed``, ``torch.seed``, ``torch.set_rng_state``, their
 ``torch.random`` and ``torch.cuda`` forms and ``torch.random.fork_rng``): a replay does not run
 Python, so a reseed would happen at capture only. The outermost call is reported, at the
 user's line. The patches are installed while any thread watches, and report only to the
@@ -89,8 +89,7 @@ def _patch_targets() -> list:
         (torch.cuda.Event, "synchronize", "Event.synchronize()", SYNC_CONSEQUENCE, _always),
         (torch.cuda.Event, "query", "Event.query()", "polls the GPU from the host", _always),
         # Tensor.__repr__ turns dispatch modes off before it reads the values.
-        (torch._tensor_str, "_str", "print() or repr() of a GPU tensor",
-         "copies it to the host, which synchronises", _on_device),
+        (torch._tensor_str, "_str", _printed, None, _on_device),
         # On a CUDA tensor the dispatch mode sees their copy to the host; on the CPU (the
         # emulation) there is no copy to see, and the value would be frozen at capture.
         (torch.Tensor, "tolist", ".tolist()", READS_VALUES, _on_device),
@@ -98,13 +97,27 @@ def _patch_targets() -> list:
     ]
 
 
-def _guarded(original: Callable, operation: str, consequence: str,
+def _printed(device_type: str) -> tuple:
+    """(operation, consequence) of ``print(t)``: a CUDA tensor is copied to the host; a CPU
+    tensor (the emulation's) is read in Python."""
+    fix = "print outside the graphed function (a print inside it runs at warmup and capture only)"
+    if device_type == "cuda":
+        return ("print() or repr() of a GPU tensor",
+                f"copies it to the host, which synchronises: {fix}")
+    return "print() or repr() of a CPU tensor", f"{READS_VALUES}: {fix}"
+
+
+def _guarded(original: Callable, operation: Any, consequence: Optional[str],
              applies: Callable[[tuple, str], bool]) -> Callable:
+    """``original``, reporting to the thread's detector; ``operation`` is a name, or a
+    function of the graphed device type giving (operation, consequence)."""
     def guarded(*args: Any, **kwargs: Any) -> Any:
         detector = getattr(_local, "detector", None)
         if detector is not None and applies(args, detector.device_type) \
                 and not in_compiled_code_runtime(sys._getframe(1)):
-            detector.report(operation, consequence, sys._getframe(1))
+            words = operation(detector.device_type) if callable(operation) \
+                else (operation, consequence)
+            detector.report(*words, sys._getframe(1))
         return original(*args, **kwargs)
 
     guarded.__wrapped__ = original  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ swaps every parameter's storage), a replay would read freed memory. The watch ho
 storage weakly, with a callback: the callback marks the graph invalid the moment the storage
 dies, so the check before a replay is one attribute read. Storages stay alive (and replays
 stay right) while anything still holds them; a tensor rebound while its old storage stays alive
-elsewhere is not seen (README, Limits).
+elsewhere is not seen (docs/guide/limits.md).
 """
 from __future__ import annotations
 
@@ -346,7 +346,7 @@ class ReadWatch:
             try:
                 self.refs.append(weakref.ref(
                     reached.generator, functools.partial(_mark_invalid, graph_ref, reached.path)))
-            except TypeError:  # torch < 2.12 (pytorch#180290): unseen, README Limits
+            except TypeError:  # torch < 2.12 (pytorch#180290): unseen, docs/guide/limits.md
                 break
 
 

@@ -25,7 +25,7 @@ lives, ``nn.Parameter.data`` is a Python property over the C one), so its replay
 integer comparison. An inference graph therefore misses a module's plain tensor attribute (not
 a buffer) rebound while the old one stays alive, and a buffer's ``.data`` assigned while the
 old memory stays alive; any graph misses memory swapped by ``p.set_(other)`` or
-``torch.utils.swap_tensors`` while the old stays alive (README, Limits).
+``torch.utils.swap_tensors`` while the old stays alive (docs/guide/limits.md).
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ class GeneratorSlots:
         for generator in drawn:
             found = survey.generators.get(generator._cdata)
             if found is None or found.slot is None:
-                continue  # not reached as an attribute (a closure, a global): README, Limits
+                continue  # not reached as an attribute (a closure, a global): docs/guide/limits.md
             owner, group, key = found.slot
             try:
                 slots.append((weakref.ref(owner), group, key, generator._cdata, found.path))

@@ -37,12 +37,15 @@ _CPU_CONSTANT_OPS = (_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy, _aten.
                      _aten.clone, _aten.empty_like, _aten.zeros_like, _aten.ones_like)
 CPU_OPERATION = "computing with a CPU tensor"
 CPU_CONSEQUENCE = ("runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes "
-                    "at capture")
+                    "at capture: make the tensor on the GPU (device=...), or pass it as an "
+                    "argument")
 
 # Indexing is capturable with integer indices; a boolean mask becomes nonzero() inside.
 _INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
               "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
-_SHAPE_CONSEQUENCE = "returns a shape that depends on the data, which needs the host to wait"
+_SHAPE_CONSEQUENCE = ("returns a shape that depends on the data, which needs the host to wait: "
+                      "use a fixed-shape form (torch.where(mask, x, 0) or x * mask instead of "
+                      "x[mask]), or run it outside the graphed function")
 
 
 

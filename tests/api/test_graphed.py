@@ -17,6 +17,7 @@ import torch
 
 import autograph
 from autograph import _config
+from autograph.watch._guard import host_read_fix
 from conftest import autograph_warnings, device_label, is_label_of, python_run_log, states
 
 
@@ -467,7 +468,8 @@ def test_unsafe_operation_falls_back_once_with_the_users_line(device, caught):
     assert messages == [f"test_unsafe_operation_falls_back_once_with_the_users_line"
                         f".<locals>.f(x: f32[2] {device_label(device)}) runs eagerly: "
                         f"a tensor used as a Python "
-                        f"condition at test_graphed.py:{line} synchronises with the host"]
+                        f"condition at test_graphed.py:{line} synchronises with the host, and "
+                        f"{host_read_fix('a tensor used as a Python condition')}"]
     assert f.stats()[0].fallback_reason == messages[0].split("runs eagerly: ")[1]
 
 
@@ -508,12 +510,16 @@ def test_strict_raises_instead_of_falling_back(device, how, monkeypatch, caught)
     twos = torch.full((2,), 2.0, device=device)
     assert torch.equal(f_strict(torch.ones(2, device=device)), twos)   # warmup: runs as written
     line = f.__code__.co_firstlineno + 1
-    message = (f"{f.__qualname__}(x: f32[2] {device_label(device)}) runs eagerly: .item() at "
-               f"test_graphed.py:{line} synchronises with the host")
+    call = f"{f.__qualname__}(x: f32[2] {device_label(device)})"
+    reason = (f".item() at test_graphed.py:{line} synchronises with the host, and "
+              f"{host_read_fix('.item()')}")
+    message = f"{call} runs eagerly: {reason}"
     for _ in range(3):  # the capture found it, then every later call raises too
         with pytest.raises(autograph.CaptureError) as raised:
             f_strict(torch.ones(2, device=device))
-        assert str(raised.value) == message
+        # It raises: its words say so, not that it runs eagerly.
+        assert str(raised.value) == (f"{call} cannot be graphed, and strict mode raises instead "
+                                     f"of running it eagerly: {reason}")
     assert states(f_strict) == [("eager", 4, 1, 0)]
     for _ in range(4):
         assert torch.equal(f_lenient(torch.ones(2, device=device)), twos)

@@ -136,7 +136,7 @@ def test_regions_are_per_thread(device):
     entered, done = threading.Event(), threading.Event()
     # Drawn before the worker captures: while any thread captures, torch holds the device's
     # default generator in capture mode, and a draw from it in another thread raises
-    # (README, "Thread safety").
+    # (docs/guide/limits.md, "Thread safety").
     ours = [torch.randn(2, 4, device=device) for _ in range(5)]
 
     def inside():

@@ -125,7 +125,7 @@ def test_a_convolution_captured_in_a_thread_that_never_ran_one():
 
 def _capture_in_progress():
     """Whether a thread captures: torch then holds the default generator in capture mode, and
-    a draw from it here raises (README, "Thread safety")."""
+    a draw from it here raises (docs/guide/limits.md, "Thread safety")."""
     try:
         torch.randn(1, device="cuda")
         return False

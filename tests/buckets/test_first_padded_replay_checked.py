@@ -64,11 +64,11 @@ def test_a_row_wise_random_function_under_buckets_stays_graphed(emulated, width)
 
 # Defect: a bucketed replay draws the bucket's rows, so the default generator ends where a run
 # of 4 rows leaves it, not where eager's run of 3 does: every draw after the first padded call
-# differs from eager's with the same seed (README, Serving, says so: a known limit). Emulation
+# differs from eager's with the same seed (docs/guide/serving.md says so: a known limit). Emulation
 # only here: on CUDA the Philox offset a draw takes is the same for 3 and 4 rows of a small
 # tensor.
 @pytest.mark.xfail(strict=True, reason="a bucketed graph draws for the bucket's rows: the "
-                   "generator ends as a run of the bucket leaves it (README, Serving)")
+                   "generator ends as a run of the bucket leaves it (docs/guide/serving.md)")
 def test_a_bucketed_random_function_leaves_the_generator_as_eager_does(emulated):
     xs = [torch.zeros(3, 64) for _ in range(5)]
     fn = autograph.graphed(_noisy, buckets=[4, 8])

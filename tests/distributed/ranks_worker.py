@@ -149,7 +149,7 @@ def run(rank, backend, world, port, out):
             seen = scenarios(rank, device)
     seen["warnings"] = [str(w.message) for w in caught
                         if issubclass(w.category, autograph.AutographWarning)]
-    # The teardown order the README gives: graphs first, then the process group.
+    # The teardown order docs/guide/several-gpus.md gives: graphs first, then the process group.
     autograph.reset()
     dist.destroy_process_group()
     seen["destroyed"] = True

@@ -133,7 +133,8 @@ def test_a_rebound_tensor_the_call_writes_is_named(device, caught):
     assert torch.equal(f(x), x * 2)        # the outputs agree; the state written does not
     assert torch.equal(total, x)           # eager's write, once
     assert "total, which the call writes" in only_warning(caught)
-    # The replay wrote into the old tensor, which eager never touches: that stays (README).
+    # The replay wrote into the old tensor, which eager never touches: that stays
+    # (docs/guide/seeing.md, verify mode).
     assert torch.equal(old, x * 3)
 
 

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from autograph.backends._cuda_graphs import CUDA
 from autograph.watch._guard import (GuardError, UnsafeOpDetector, classify_capture_error,
-                              optimizer_running)
+                                    host_read_fix, optimizer_running)
 from conftest import requires_cuda
 
 
@@ -370,8 +370,8 @@ def test_host_reads_are_named_the_same_under_inference_mode(fn, operation, mode)
             with UnsafeOpDetector("cpu", raise_on_unsafe=True):
                 fn(t)
     assert finding is not None
-    assert finding.message() == (
-        f"{operation} at {unsafe_line(fn)} synchronises with the host")
+    assert finding.message() == (f"{operation} at {unsafe_line(fn)} synchronises with the host, "
+                                 f"and {host_read_fix(operation)}")
     assert raised.value.finding == finding
 
 
@@ -559,4 +559,5 @@ def test_host_reads_are_named_the_same_under_inference_mode_on_the_gpu(fn, opera
     with mode():
         error = capture_error(guarded, fn, torch.ones((), device="cuda"))
     assert isinstance(error, GuardError)   # stopped before CUDA saw the read
-    assert error.finding.message() == f"{operation} at {unsafe_line(fn)} synchronises with the host"
+    assert error.finding.message() == (f"{operation} at {unsafe_line(fn)} synchronises with the "
+                                       f"host, and {host_read_fix(operation)}")

@@ -101,7 +101,7 @@ def test_a_row_wise_function_with_constants_stays_graphed_after_capture(device, 
 
 def test_verify_checks_the_capture_call_of_a_branch_on_the_size(device, caught):
     # Another op, not another number: the numbers' comparison stops where the ops part, and
-    # only verify sees it. Without verify this key is silently wrong (README, Limits).
+    # only verify sees it. Without verify this key is silently wrong (docs/guide/limits.md).
     def branch(x):
         return x + 1 if x.shape[0] == 3 else x - 1
 
