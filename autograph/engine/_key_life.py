@@ -33,6 +33,7 @@ from ..capture._outputs import flatten_output
 from ..policy._payoff import measurement, timed_call
 from .._profile import profile_range, torch_profiler
 from ..watch._python_state import PythonState, per_call_reason
+from ..watch._values_read import ValuesRead
 from ..distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ..watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
 from ..capture._recording import CaptureFailed, CaptureRequest
@@ -168,9 +169,12 @@ class KeyLife:
         return graph.replay(tensors, padding)
 
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
-        """Nothing read by address freed or aliased, no written argument aliased."""
+        """Nothing read by address freed or aliased, no written argument aliased, every
+        Python value its capture read as it was (else this call runs eagerly, the graph
+        stays: a cache's flag that ``reset()`` cleared is set again by that call)."""
         return graph.may_replay() and not (graph.aliasing and _aliases_what_it_uses(
-            tensors, graph.mutated, graph.by_address)) and not (self.trains and graph.busy())
+            tensors, graph.mutated, graph.by_address)) and not (self.trains and graph.busy()) \
+            and (graph.values is None or graph.values.same())
 
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the
@@ -291,12 +295,14 @@ class KeyLife:
                 f"fixed-size cache updated in place (transformers' StaticCache), or pass the "
                 f"tensor as an argument", raise_now=False)
             return outputs
-        self.adopt(graph)
+        self.adopt(graph, c)
         c.note(self, "captures")
         c.note(self, "replays")
         return outputs
 
-    def adopt(self, graph: Graph) -> None:
+    def adopt(self, graph: Graph, c: Call) -> None:
+        """Replay ``graph`` from now on, while the Python values its capture read hold."""
+        graph.values = ValuesRead.of(self.function.roots(c), self.function.fn)
         self.graph, self.phase = graph, GRAPHED
         self.checks_left = self.options.replays_to_verify
         self.payoff = measurement(self)
