@@ -14,14 +14,16 @@ what the caller changes between calls (``cache.reset()`` clears the flag that sa
 cross-attention K/V are computed or read; a global ``DEBUG = True``) is read here: the atoms
 (``_python_values.is_atom``) held by the objects a call is keyed on by identity (an HF cache
 and everything it holds), by the arguments' containers, and by the globals and closure cells
-the code names, with the lengths of the dicts and lists among them. Each place is one C-level
+the code names, with the lengths of the dicts and lists of atoms among them. Each place is one C-level
 read (``operator.itemgetter`` over a namespace), compared as one list: about 60 ns a place.
 Not read: the attributes of modules (their ``training`` flag is part of the key; a plain
-attribute a caller flips between calls is a documented limit, README), and places past
-``MAX_PLACES``.
+attribute a caller flips between calls is a documented limit, README, that ``verify=``
+catches), the contents of a container the caller rebinds (the one the capture saw is read),
+and places past ``MAX_PLACES``.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -31,7 +33,7 @@ import torch
 from ._python_values import MAX_ITEMS, SEQUENCES, class_of, ignored, is_atom
 from ._reads import free_names
 
-MAX_PLACES = 64  # namespaces read before each replay: a few per cache layer
+MAX_PLACES = 16  # namespaces read before each replay (the shallowest): ~1 us on a host
 _DEPTH = 5
 
 Reader = Callable[[], Any]
@@ -97,6 +99,13 @@ class _Places:
             self._add(functools.partial(operator.itemgetter(*keys), namespace),
                       tuple(label(k) for k in keys))
 
+    def _add_table(self, obj: Any, path: str, items: List[Tuple[Any, Any]]) -> None:
+        """The length of a table of atoms (``is_updated``, a list of flags), read as its
+        entries are. Not that of a container of objects: a caller's own bookkeeping
+        (GradScaler's per-optimizer states, filled by ``step()``) is no value the call read."""
+        if items and all(is_atom(v) for _, v in items):
+            self._add(obj.__len__, (f"len({path})",))
+
     def add_free(self, name: str, place: Any, key: Any) -> None:
         """A global (``place`` the module's dict) or a closure cell, read if it holds an atom."""
         try:
@@ -110,35 +119,41 @@ class _Places:
         else:
             self._add(functools.partial(operator.attrgetter("cell_contents"), place), (name,))
 
-    def walk(self, path: str, obj: Any, left: int) -> None:
+    def walk(self, path: str, root: Any, depth: int) -> None:
+        """Breadth first, so that the shallow places (``cache.is_updated``) come before the
+        layers past ``MAX_PLACES``."""
+        queue = collections.deque([(path, root, depth)])
+        while queue and len(self.readers) < MAX_PLACES:
+            path, obj, left = queue.popleft()
+            queue.extend((child_path, child, left - 1)
+                         for child_path, child in self._visit(path, obj, left))
+
+    def _visit(self, path: str, obj: Any, left: int) -> List[Tuple[str, Any]]:
+        """Add ``obj``'s places; its children to walk."""
         cls = class_of(obj)
         if left <= 0 or id(obj) in self._seen or is_atom(obj, cls=cls) \
                 or issubclass(cls, (torch.Tensor, torch.nn.Module)) or ignored(obj, cls):
-            return
+            return []
         self._seen.add(id(obj))
-        children: List[Tuple[str, Any]]
         if issubclass(cls, dict):
             items = list(obj.items())[:MAX_ITEMS]
-            self._add(obj.__len__, (f"len({path})",))
+            self._add_table(obj, path, items)
             self._add_items(obj, [k for k, v in items if is_atom(v)], lambda k: f"{path}[{k!r}]")
-            children = [(f"{path}[{k!r}]", v) for k, v in items]
-        elif issubclass(cls, SEQUENCES):
+            return [(f"{path}[{k!r}]", v) for k, v in items]
+        if issubclass(cls, SEQUENCES):
             items = list(obj)[:MAX_ITEMS]
             if not issubclass(cls, tuple):
-                self._add(obj.__len__, (f"len({path})",))
+                self._add_table(obj, path, list(enumerate(items)))
                 self._add_items(obj, [i for i, v in enumerate(items) if is_atom(v)],
                                 lambda i: f"{path}[{i}]")
-            children = [(f"{path}[{i}]", v) for i, v in enumerate(items)]
-        else:
-            namespace = getattr(obj, "__dict__", None)
-            if not isinstance(namespace, dict):
-                return  # no attributes, or __slots__ only: not read (README, Limits)
-            attributes = _state_attributes(namespace)
-            self._add_items(namespace, [k for k, v in attributes.items() if is_atom(v)],
-                            lambda k: f"{path}.{k}")
-            children = [(f"{path}.{k}", v) for k, v in attributes.items()]
-        for child_path, child in children:
-            self.walk(child_path, child, left - 1)
+            return [(f"{path}[{i}]", v) for i, v in enumerate(items)]
+        namespace = getattr(obj, "__dict__", None)
+        if not isinstance(namespace, dict):
+            return []  # no attributes, or __slots__ only: not read (README, Limits)
+        attributes = _state_attributes(namespace)
+        self._add_items(namespace, [k for k, v in attributes.items() if is_atom(v)],
+                        lambda k: f"{path}.{k}")
+        return [(f"{path}.{k}", v) for k, v in attributes.items()]
 
 
 def _state_attributes(namespace: Dict[str, Any]) -> Dict[str, Any]:
