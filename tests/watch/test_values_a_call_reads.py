@@ -176,3 +176,20 @@ def test_the_default_dtype_is_part_of_the_key(device):
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     assert [s[0] for s in states(f)] == ["graphed", "graphed"], states(f)
     assert all(replays >= 1 for *_, replays in states(f)), states(f)
+
+
+def test_a_flag_the_caller_resets_is_read_again_in_a_region(device):
+    class Step(torch.nn.Module):
+        def forward(self, x, enc, cache):
+            return _cached_step(x, enc, cache)
+
+    step, cache, eager_cache = Step(), _Cache(device), _Cache(device)
+    with autograph.region() as region:
+        for _ in range(3):
+            cache.reset(), eager_cache.reset()
+            enc = torch.randn(4, device=device)
+            for _ in range(4):
+                x = torch.randn(4, device=device)
+                torch.testing.assert_close(step(x, enc, cache),
+                                           _cached_step(x, enc, eager_cache), rtol=0, atol=0)
+    assert states(region) == [("graphed", 12, 1 + 2, 9)]
