@@ -298,7 +298,7 @@ class KeyLife:
         return outputs
 
     def adopt(self, graph: Graph, c: Call) -> None:
-        graph.values = ValuesRead.of(self.function.roots(c), self.function.fn)
+        graph.values = ValuesRead.of(c.names, c.args, c.kwargs, self.function.fn)
         self.graph, self.phase = graph, GRAPHED
         self.checks_left = self.options.replays_to_verify
         self.payoff = measurement(self)
