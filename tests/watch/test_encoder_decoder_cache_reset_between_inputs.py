@@ -45,7 +45,10 @@ def _generate_each(model, config, inputs, transformers, device):
             cache.reset()
             out = model.generate(x.to(device), past_key_values=cache, max_new_tokens=8,
                                  min_new_tokens=8, do_sample=False, num_beams=1,
-                                 return_dict_in_generate=True, output_logits=True)
+                                 return_dict_in_generate=True, output_logits=True,
+                                 # On CUDA transformers would compile the decode step of a
+                                 # static cache itself: the region is to graph it.
+                                 disable_compile=True)
             results.append((out.sequences, out.logits))
     return results, cache
 
