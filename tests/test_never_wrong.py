@@ -18,6 +18,7 @@ import torch
 
 import autograph
 from conftest import python_run_log, states
+from helpers.knob import Knob
 
 
 # ---- item 4: outputs of every kind are new objects on every call, as eagerly ----
@@ -119,7 +120,7 @@ def test_an_output_object_that_holds_itself_is_returned_without_an_endless_walk(
 
 
 def test_verify_compares_what_a_slotted_output_holds(device, caught):
-    scale = [2.0]
+    scale = Knob(2.0)
 
     @autograph.graphed(verify=1)
     def f(x):

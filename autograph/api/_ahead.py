@@ -107,7 +107,7 @@ def _capture_key(life: KeyLife, c: Call) -> None:
         return
     graph.watch_reads()
     if graph.invalid_reason is None:
-        life.adopt(graph)
+        life.adopt(graph, c)
 
 
 def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:

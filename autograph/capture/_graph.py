@@ -20,6 +20,7 @@ from ..watch._frozen import FrozenReads
 from ..watch._module_hooks import HookWatch
 from ..watch._reads import GradSlots, ReadWatch, Survey
 from ..watch._slots import GeneratorSlots, SlotWatch, registrations
+from ..watch._values_read import ValuesRead
 from ._plan import InputPlan
 from ._recording import CaptureRequest, Recorded, record
 
@@ -60,6 +61,8 @@ class Graph:
         self.frozen = FrozenReads.of(recorded.watch.external, recorded.survey)
         # Set when a replay found a frozen parameter requiring grad, or hooks changed.
         self.unfrozen = self.rehooked = False
+        # The Python values its capture read that a caller may change (``_values_read``).
+        self.values: Optional[ValuesRead] = None
         # A bucket's row counts whose first replay with pad rows was probed, and checked
         # against an eager run where it has no per-bucket state (``_bucket_runs``).
         self.rows_checked: Set[int] = set()

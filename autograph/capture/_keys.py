@@ -50,6 +50,9 @@ def execution_state(training: Any) -> tuple:
         # change when something (a compile saving the CUDA generators) starts CUDA lazily.
         _cuda_device() if torch.cuda.is_initialized() else 0,
         training,
+        # A factory call without a dtype (torch.full(..., 0.1)) makes the default dtype's
+        # tensor: a replay would make the capture's (docs/design.md, "What a replay assumes").
+        torch.get_default_dtype(),
     )
 
 
@@ -143,7 +146,7 @@ def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
 
     >>> call_key((x, w), {}, execution_state(None)).key
     (2, (torch.Size([8, 512]), (512, 1), torch.float32, device(type='cuda', index=0), False),
-     (...), (True, False, (False, False), 0, None))
+     (...), (True, False, (False, False), 0, None, torch.float32))
 
     ``names`` are the function's parameter names: they name an argument in errors and find
     ``static_names``. ``resize`` gives some tensors (by index) the shape of the static they are
@@ -341,7 +344,7 @@ def join_parts(parts: List[str], state: tuple, max_parts: int = 8) -> str:
 
 
 def describe_state(state: tuple) -> str:
-    grad, inference, (cuda_autocast, cpu_autocast), _, training = state
+    grad, inference, (cuda_autocast, cpu_autocast), _, training, default_dtype = state
     modes = []
     if inference:
         modes.append("inference_mode")
@@ -352,4 +355,6 @@ def describe_state(state: tuple) -> str:
             modes.append(f"autocast {device} {DTYPE_NAMES.get(dtype, dtype)}")
     if training is not None:
         modes.append("train" if training else "eval")
+    if default_dtype is not torch.float32:
+        modes.append(f"default dtype {DTYPE_NAMES.get(default_dtype, default_dtype)}")
     return ", ".join(modes)

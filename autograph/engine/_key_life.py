@@ -33,6 +33,7 @@ from ..capture._outputs import flatten_output
 from ..policy._payoff import measurement, timed_call
 from .._profile import profile_range, torch_profiler
 from ..watch._python_state import PythonState, per_call_reason
+from ..watch._values_read import ValuesRead
 from ..distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ..watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
 from ..capture._recording import CaptureFailed, CaptureRequest
@@ -175,9 +176,11 @@ class KeyLife:
         return graph.replay(tensors, padding)
 
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
-        """Nothing read by address freed or aliased, no written argument aliased."""
+        """Nothing read by address freed or aliased, no written argument aliased, the Python
+        values its capture read as they were (``_values_read``; else the call runs eagerly)."""
         return graph.may_replay() and not (graph.aliasing and _aliases_what_it_uses(
-            tensors, graph.mutated, graph.by_address)) and not (self.trains and graph.busy())
+            tensors, graph.mutated, graph.by_address)) and not (self.trains and graph.busy()) \
+            and (graph.values is None or graph.values.same())
 
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the
@@ -189,7 +192,7 @@ class KeyLife:
                 return first_padded_replay(self, c)
             return self._observed_replay(c)
         if graph is not None:
-            if graph.may_replay():  # shares written memory, or its graph is busy: eager
+            if graph.may_replay():  # aliased, busy, or a Python value read changed: eager
                 return self.run_eagerly(c)
             self._invalidate()
         if self.phase == WARMUP:
@@ -221,8 +224,7 @@ class KeyLife:
         c.note(self, "eager_calls")
         streams = contextlib.nullcontext() if self.backend is None else \
             self.backend.eager_stream(self.device)
-        with eager_scope(self), profile_range("eager", self.function.name, self.label), \
-                streams:
+        with eager_scope(self), profile_range("eager", self.function.name, self.label), streams:
             return run_call(self, c, watched)
 
     def _warmup(self, c: Call) -> Any:
@@ -292,18 +294,18 @@ class KeyLife:
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
             graph.release()
-            self.fall_back(
-                f"it replaces {graph.invalid_reason} on every call (a cache that grows with "
-                f"torch.cat does), and a graph would keep reading the old tensor. Use a "
-                f"fixed-size cache updated in place (transformers' StaticCache), or pass the "
-                f"tensor as an argument", raise_now=False)
+            self.fall_back(f"it replaces {graph.invalid_reason} on every call (a cache that grows "
+                           f"with torch.cat does), and a graph would keep reading the old tensor. "
+                           f"Use a fixed-size cache updated in place (transformers' StaticCache), "
+                           f"or pass the tensor as an argument", raise_now=False)
             return outputs
-        self.adopt(graph)
+        self.adopt(graph, c)
         c.note(self, "captures")
         c.note(self, "replays")
         return outputs
 
-    def adopt(self, graph: Graph) -> None:
+    def adopt(self, graph: Graph, c: Call) -> None:
+        graph.values = ValuesRead.of(c.names, c.args, c.kwargs, self.function.fn)
         self.graph, self.phase = graph, GRAPHED
         self.checks_left = self.options.replays_to_verify
         self.payoff = measurement(self)

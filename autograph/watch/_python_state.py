@@ -28,124 +28,24 @@ never on a replay.
 """
 from __future__ import annotations
 
-import collections
-import enum
-import logging
-import math
 import re
-import types
-import weakref
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ._names import describe_tensor
+from ._python_values import (MAX_ITEMS, SEQUENCES, Summary, change, class_of, ignored, is_atom,
+                             same, show, summary, users_class)
 from ._reads import free_names
 
 Tensor = torch.Tensor
 
 _MAX_NODES = 50_000
-_MAX_ITEMS = 256  # entries compared per dict or list; their key sets and lengths beyond
 _MISSING = object()
-
-_ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device,
-          torch.layout, torch.memory_format, enum.Enum, range)
 # What nn.Module.__init__ sets: its bookkeeping, hooks and training flag. Its parameters,
 # buffers and submodules are walked as the module's attributes.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"_parameters", "_buffers", "_modules"}
 _MODULE_MEMBERS = ("_parameters", "_buffers", "_modules")
-_WEAK = (weakref.WeakKeyDictionary, weakref.WeakValueDictionary, weakref.WeakSet)
-_SEQUENCES = (list, tuple, collections.deque)
-
-Summary = Tuple[Any, ...]
-
-
-# Types are asked of ``_class_of(value)``, not by ``isinstance``: an ``isinstance`` that fails
-# asks the object for its ``__class__``, through its own ``__getattribute__`` (a transformers
-# config answers in Python, and the survey met it at every module holding it: a third of a
-# walk). Only a class that defines ``__class__`` itself (a proxy, ``wrapt.ObjectProxy``) is
-# asked, so that a proxied list is walked as the list it stands for.
-_CLASS_DEFINED: Dict[type, bool] = {}
-
-
-def _class_of(value: Any) -> type:
-    cls = type(value)
-    defined = _CLASS_DEFINED.get(cls)
-    if defined is None:
-        defined = _CLASS_DEFINED[cls] = any("__class__" in vars(c) for c in cls.__mro__[:-1])
-    return value.__class__ if defined else cls
-
-
-def _is_atom(value: Any, depth: int = 3, cls: Optional[type] = None) -> bool:
-    if cls is None:
-        cls = _class_of(value)
-    if issubclass(cls, _ATOMS):
-        return True
-    if issubclass(cls, (tuple, frozenset)) and depth and len(value) <= 64:
-        return all(_is_atom(v, depth - 1) for v in value)
-    return False
-
-
-def _summary(value: Any, cls: type) -> Summary:
-    """What a slot holds (of class ``cls``, ``_class_of``), as far as it is compared: an atom
-    by value, a tensor by presence, a sequence by type and length, anything else by type."""
-    if issubclass(cls, Tensor):
-        return ("tensor",)
-    if _is_atom(value, cls=cls):
-        return ("=", value)
-    if issubclass(cls, _SEQUENCES):
-        return ("sequence", type(value), len(value))
-    return ("object", type(value))
-
-
-def _same(a: Summary, b: Summary) -> bool:
-    if a[0] != "=" or b[0] != "=":
-        return a == b
-    x, y = a[1], b[1]
-    if x is y:  # an atom is immutable: itself is no change, NaN or not (an argument's value)
-        return True
-    if type(x) is not type(y):
-        return False
-    try:
-        return bool(x == y) or _both_nan(x, y)
-    except Exception:  # an atom whose __eq__ fails: compare by identity
-        return False
-
-
-def _both_nan(x: Any, y: Any) -> bool:
-    """NaN is not equal to itself; a NaN that stays a NaN (real or complex part, or in a tuple
-    made afresh) is no change."""
-    if isinstance(x, tuple):
-        return isinstance(y, tuple) and len(x) == len(y) and \
-            all(a is b or a == b or _both_nan(a, b) for a, b in zip(x, y))
-    if isinstance(x, complex):
-        return ((x.real == y.real or _both_nan(x.real, y.real))
-                and (x.imag == y.imag or _both_nan(x.imag, y.imag)))
-    return isinstance(x, float) and math.isnan(x) and math.isnan(y)
-
-
-def _show(summary: Summary) -> str:
-    kind = summary[0]
-    if kind == "=":
-        text = repr(summary[1])
-        return text if len(text) <= 60 else text[:57] + "..."
-    if kind == "tensor":
-        return "a tensor"
-    if kind == "sequence":
-        return f"a {summary[1].__name__} of {summary[2]}"
-    return f"a {summary[1].__name__}"
-
-
-def _ignored(value: Any, cls: Optional[type] = None) -> bool:
-    """Values that are no state of a call's: functions and classes, modules, weak caches,
-    loggers (a module's ``logger`` caches which levels are enabled as it is first asked)."""
-    if cls is None:
-        cls = _class_of(value)
-    return (issubclass(cls, _IGNORED_TYPES)
-            or (callable(value) and not issubclass(cls, torch.nn.Module)))
-
-
-_IGNORED_TYPES = (types.ModuleType, logging.Logger, logging.Manager) + _WEAK
 
 
 def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
@@ -158,10 +58,18 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
         if not names:
             return None
         attributes = {name: getattr(obj, name, _MISSING) for name in names}
-    internals = _MODULE_INTERNALS if issubclass(_class_of(obj), torch.nn.Module) else ()
+    internals = _MODULE_INTERNALS if issubclass(class_of(obj), torch.nn.Module) else ()
     return {name: value for name, value in list(attributes.items())
             if value is not _MISSING and not name.startswith("__") and name not in internals
-            and name not in _MODULE_MEMBERS and "hook" not in name and not _ignored(value)}
+            and name not in _MODULE_MEMBERS and "hook" not in name and not ignored(value)}
+
+
+def _class_attributes(cls: type) -> Dict[str, Any]:
+    """The class-level values of one of the caller's classes that are state (a counter kept as
+    ``type(self).n``): not its methods, properties or other descriptors."""
+    return {name: value for name, value in list(vars(cls).items())
+            if not name.startswith("__") and not hasattr(type(value), "__get__")
+            and not ignored(value)}
 
 
 class _Holder:
@@ -175,7 +83,8 @@ class _Holder:
     def restore(self) -> None:
         kind, target, before = self.kind, self.target, self.before
         if kind == "attributes":
-            now = _attributes(target) or {}
+            now = (_class_attributes(target) if isinstance(target, type)
+                   else _attributes(target)) or {}
             if isinstance(getattr(target, "__dict__", None), dict):
                 namespace = target.__dict__
                 for name in now.keys() - before.keys():
@@ -243,7 +152,7 @@ class _Walk:
                 self._hold("cell", place, None, value)
             if value is not _MISSING:
                 bound.add(name)
-                if not _ignored(value):
+                if not ignored(value):
                     self._slot(None, name, value, depth)
         for name, root in roots:
             if name not in bound:
@@ -258,43 +167,43 @@ class _Walk:
             return
         self._budget -= 1
         self.parents[path] = parent
-        cls = _class_of(value)
-        self.summaries[path] = _summary(value, cls)
+        cls = class_of(value)
+        self.summaries[path] = summary(value, cls)
         self._visit(path, value, left, cls)
 
     def _key_label(self, key: Any) -> str:
-        if _is_atom(key):
+        if is_atom(key):
             return f"[{key!r}]"
         self.key_labels.setdefault(id(key), describe_tensor(key) if isinstance(key, Tensor)
                                    else f"a {type(key).__name__}")
         return f"[#{id(key)}]"
 
     def _visit(self, path: str, obj: Any, left: int, cls: type) -> None:
-        if _is_atom(obj, cls=cls) or id(obj) in self._seen:
+        if is_atom(obj, cls=cls) or id(obj) in self._seen:
             return
         # The shortest path names it: self.weight, not optimizer.param_groups[0]['params'][0].
         if len(path) < len(self.names.get(id(obj), path + " ")):
             self.names[id(obj)] = path
-        if issubclass(cls, Tensor) or left <= 0 or _ignored(obj, cls):
+        if issubclass(cls, Tensor) or left <= 0 or ignored(obj, cls):
             return
         self._seen.add(id(obj))
         if issubclass(cls, dict):
             self._hold("dict", obj, None, dict(obj))
-            for key, value in list(obj.items())[:_MAX_ITEMS]:
-                if not _ignored(value):
+            for key, value in list(obj.items())[:MAX_ITEMS]:
+                if not ignored(value):
                     self._slot(path, path + self._key_label(key), value, left - 1)
             return
-        if issubclass(cls, _SEQUENCES):
+        if issubclass(cls, SEQUENCES):
             if not issubclass(cls, tuple):
                 self._hold("sequence", obj, None, list(obj))
-            for i, value in enumerate(list(obj)[:_MAX_ITEMS]):
-                if not _ignored(value):
+            for i, value in enumerate(list(obj)[:MAX_ITEMS]):
+                if not ignored(value):
                     self._slot(path, f"{path}[{i}]", value, left - 1)
             return
         if issubclass(cls, (set, frozenset)):
             if issubclass(cls, set):
                 self._hold("set", obj, None, set(obj))
-            self.summaries[path] += (frozenset(v for v in obj if _is_atom(v)),)
+            self.summaries[path] += (frozenset(v for v in obj if is_atom(v)),)
             return
         attributes = _attributes(obj)
         if attributes is None:
@@ -313,6 +222,18 @@ class _Walk:
                                    left if isinstance(value, torch.nn.Module) else left - 1)
         for name, value in attributes.items():
             self._slot(path, f"{path}.{name}", value, left - 1)
+        self._visit_classes(path, cls, left)
+
+    def _visit_classes(self, path: str, cls: type, left: int) -> None:
+        """The class-level state of an object's classes that are the caller's own."""
+        for owner in cls.__mro__:
+            if id(owner) in self._seen or not users_class(owner):
+                continue
+            self._seen.add(id(owner))
+            attributes = _class_attributes(owner)
+            self._hold("attributes", owner, None, attributes)
+            for name, value in attributes.items():
+                self._slot(path, f"type({path}).{name}", value, left - 1)
 
 
 class PythonState:
@@ -360,16 +281,13 @@ class PythonState:
     def _against(self, after: _Walk) -> List[str]:
         before = self._before
         found: List[str] = []
-        for path, summary in after.summaries.items():
+        for path, now in after.summaries.items():
             old = before.summaries.get(path)
             if old is None:
                 if self._reported_alone(path, after, before):
-                    found.append(f"{path}: added ({_show(summary)})")
-            elif not _same(old, summary):
-                if old[0] == summary[0] == "sequence" and old[1] is summary[1]:
-                    found.append(f"{path}: length {old[2]} -> {summary[2]}")
-                else:
-                    found.append(f"{path}: {_show(old)} -> {_show(summary)}")
+                    found.append(f"{path}: added ({show(now)})")
+            elif not same(old, now):
+                found.append(change(path, old, now))
         for path in before.summaries.keys() - after.summaries.keys():
             if self._reported_alone(path, before, after):
                 found.append(f"{path}: removed")

@@ -14,6 +14,7 @@ import torch
 import autograph
 from autograph import _config
 from conftest import autograph_warnings, device_label, requires_cuda, states
+from helpers.knob import Knob
 
 Output = collections.namedtuple("Output", "hidden logits")
 
@@ -27,7 +28,7 @@ def only_warning(caught):
 # ---- planted faults ----
 
 def test_a_python_float_read_in_the_function_is_caught(device, caught):
-    scale = [1.0]
+    scale = Knob(1.0)
 
     @autograph.graphed(verify=2)
     def f(x):
@@ -66,7 +67,7 @@ def test_a_rebound_tensor_whose_old_one_stays_alive_is_caught(device, caught):
 
 def test_a_branch_on_a_python_flag_set_between_calls_is_caught(device, caught):
     # The function reads the flag and never changes it: only verify can see the replay differ.
-    flip = [False]
+    flip = Knob(False)
 
     @autograph.graphed(verify=3)
     def f(x):
@@ -103,7 +104,7 @@ def test_a_branch_on_a_python_counter_is_caught_at_capture_before_verify(device,
 
 
 def test_state_the_call_writes_is_compared_and_named(device, caught):
-    scale = [1.0]
+    scale = Knob(1.0)
 
     @autograph.graphed(verify=1)
     def f(x):
@@ -139,7 +140,7 @@ def test_a_rebound_tensor_the_call_writes_is_named(device, caught):
 
 
 def test_strict_raises_after_leaving_eager_effects_once(device):
-    scale = [1.0]
+    scale = Knob(1.0)
 
     @autograph.graphed(verify=1, strict=True)
     def f(x):
@@ -224,7 +225,7 @@ def test_writes_to_arguments_and_state_happen_once_per_checked_call(device):
 
 def test_outputs_within_the_tolerance_pass_and_the_tolerance_can_be_loosened(device, caught,
                                                                              monkeypatch):
-    scale = [1.0]
+    scale = Knob(1.0)
 
     @autograph.graphed(verify=1)
     def f(x):
@@ -240,7 +241,7 @@ def test_outputs_within_the_tolerance_pass_and_the_tolerance_can_be_loosened(dev
 
 
 def test_integer_outputs_must_match_exactly(device, caught):
-    offset = [0]
+    offset = Knob(0)
 
     @autograph.graphed(verify=1)
     def f(x):
@@ -261,7 +262,7 @@ class Prediction:
 
 
 def test_non_tensor_outputs_are_compared_too(device, caught):
-    label = ["a"]
+    label = Knob("a")
 
     @autograph.graphed(verify=1)
     def f(x):
@@ -276,7 +277,7 @@ def test_non_tensor_outputs_are_compared_too(device, caught):
 
 
 def test_only_the_first_n_replays_after_each_capture_are_checked(device):
-    scale = [1.0]
+    scale = Knob(1.0)
 
     @autograph.graphed(verify=1)
     def f(x):

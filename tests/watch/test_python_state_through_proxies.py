@@ -118,7 +118,10 @@ def test_the_survey_sees_through_proxies_and_odd_objects_as_before():
     obj.x, odd.x, module.count = 2, 2, 1
     holder.atoms, holder.frozen = (1, 2.0, "a", (3, 4)), frozenset({1, 3})
     holder.same_int = wrapt.ObjectProxy(3)
-    assert state.changes() == [
+    changes = state.changes()
+    # Its class counts the survey's own reads in a class-level list: class state (issue 35).
+    assert any(line.startswith("type(h.odd).reads[0]: ") for line in changes), changes
+    assert [line for line in changes if not line.startswith("type(h.odd)")] == [
         "h.proxied_list: length 2 -> 3", "h.inner: length 2 -> 3", "h.proxied_obj.x: 1 -> 2",
         "h.odd.x: 1 -> 2", "h.module.count: 0 -> 1",
         "h.atoms: (1, 2.0, 'a', (3, None)) -> (1, 2.0, 'a', (3, 4))",
