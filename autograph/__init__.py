@@ -13,6 +13,7 @@ says why and where. See the README, and docs/design.md for how it is built.
 """
 from typing import Any
 
+from . import _config as _config  # first: it refuses a torch older than the floor
 from .backends._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
 from .api._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
