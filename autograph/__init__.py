@@ -14,6 +14,7 @@ how it is built.
 """
 import typing as _typing
 
+from . import _config as _config  # first: it refuses a torch older than the floor
 from .backends._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
 from .api._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed

@@ -1,4 +1,4 @@
-"""Environment variables and per-function options.
+"""Environment variables, per-function options, and the oldest torch autograph runs on.
 
 The environment is read once, at import, so a typo fails loudly before any model runs:
 
@@ -14,11 +14,33 @@ import logging
 import os
 from typing import Any, Callable, Mapping, Optional, Tuple
 
+import torch
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
 _LOG_LEVELS = {"": None, "warning": logging.WARNING, "info": logging.INFO, "debug": logging.DEBUG}
 
 logger = logging.getLogger("autograph")
+
+# The oldest torch autograph is right on (README, "What each torch gives"; setup.cfg says it too).
+TORCH_FLOOR = (2, 9)
+
+
+def check_torch(version: str) -> None:
+    """Refuse a torch older than the floor, at import, with the reason and the fix.
+
+    >>> check_torch("2.4.1")
+    ImportError: autograph needs torch >= 2.9, and this is torch 2.4.1: ...
+    """
+    if tuple(int(part) for part in version.split(".")[:2]) < TORCH_FLOOR:
+        raise ImportError(
+            f"autograph needs torch >= {'.'.join(map(str, TORCH_FLOOR))}, and this is torch "
+            f"{version}: older Dynamo cannot compile around autograph's watch (torch.compile'd "
+            f"code under it was skipped for good, or recompiled on every watched call), and "
+            f"older torch lacks APIs autograph uses. Upgrade it: pip install 'torch>=2.9'")
+
+
+check_torch(torch.__version__)
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:

@@ -532,6 +532,23 @@ def test_reading_values_into_python_is_found_on_every_device(device, read, caugh
     assert torch.Tensor.__dict__.get(read) is before       # the patch is gone again
 
 
+def test_reseeding_inside_a_graphed_function_is_found_on_every_device(device, caught):
+    @autograph.graphed
+    def noisy(x):
+        torch.manual_seed(7)  # replays would not restart the sequence: the key runs eagerly
+        return x + torch.rand(2, device=device)
+
+    torch.manual_seed(7)
+    expected = torch.rand(2, device=device)
+    x = torch.zeros(2, device=device)
+    for _ in range(4):
+        torch.rand(3, device=device)  # moves the generator on between calls, as a program would
+        assert torch.equal(noisy(x), expected)
+    row, = noisy.stats()
+    assert row.state == "eager" and "torch.manual_seed()" in row.fallback_reason
+    assert len(autograph_warnings(caught)) == 1
+
+
 def test_arguments_written_by_foreach_ops_reach_the_caller(device):
     @autograph.graphed
     def bump(x, a, b):

@@ -12,10 +12,10 @@ one freed or moved raises instead of reading stale memory. See ``_cpu_graphs`` f
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..watch._modes import CompiledCodeRunsUnder, run_apart, tensors_in
@@ -96,13 +96,13 @@ class _OutsideTensor:
 
     def __init__(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        self._storage = StorageWeakRef(storage)
+        self._storage = weakref.ref(storage)
         self._address = storage.data_ptr()
         self._layout = _layout(tensor)
 
     def resolve(self, func: Any) -> torch.Tensor:
         """A view of the memory, as captured; ``RuntimeError`` if that memory is gone."""
-        storage = torch.UntypedStorage._new_with_weak_ptr(self._storage.cdata)
+        storage = self._storage()
         if storage is None:
             raise RuntimeError(
                 f"the emulated graph reads a tensor that was freed since capture: "

@@ -1,5 +1,5 @@
-"""``python -m autograph doctor``: the versions, the GPU, and whether a test function is
-captured into a CUDA graph and replayed on this machine.
+"""``python -m autograph doctor``: the versions, what this torch gives autograph, the GPU, and
+whether a test function is captured into a CUDA graph and replayed on this machine.
 
 >>> doctor()
 autograph 0.2.0.dev0, torch 2.11.0+cu130, Python 3.12.3
@@ -8,6 +8,7 @@ autograph 0.2.0.dev0, torch 2.11.0+cu130, Python 3.12.3
 from __future__ import annotations
 
 import platform
+import weakref
 
 import torch
 
@@ -40,6 +41,7 @@ def doctor() -> int:
     print(versions())
     print(f"environment: AUTOGRAPH_DISABLE={int(_config.ENV.disable)} "
           f"AUTOGRAPH_STRICT={int(_config.ENV.strict)}")
+    print(torch_features())
     if torch.version.cuda is None:
         print("torch is a CPU build: every graphed call runs eagerly. Install a CUDA build of "
               "torch to use CUDA graphs.")
@@ -73,3 +75,42 @@ def doctor() -> int:
 def versions() -> str:
     return (f"autograph {autograph.__version__}, torch {torch.__version__}, "
             f"Python {platform.python_version()}")
+
+
+def torch_features() -> str:
+    """What each torch gives autograph, and whether this one does (README, "What each torch
+    gives"); torch older than the floor is refused at import.
+
+    >>> print(torch_features())
+    what each torch gives (floor: torch 2.9)      needs  here  without it
+    a compiled function compiles once under ...    2.10   yes   ...
+    """
+    def at_least(major: int, minor: int) -> bool:
+        return tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (major, minor)
+
+    try:
+        weakref.ref(torch.Generator())
+        generators_weak = True
+    except TypeError:
+        generators_weak = False
+    rows = [
+        ("Dynamo compiles around autograph's watch", "2.9", True,
+         "refused at import (Dynamo skipped or recompiled compiled code under the watch)"),
+        ("a compiled function compiles once under autograph", "2.10", at_least(2, 10),
+         "it compiles again per stack of dispatch modes (the warmup's, the capture's)"),
+        ("weak references to generators", "2.12", generators_weak,
+         "a generator rebound after capture goes unseen (README, Limits)"),
+        ("a failed capture resets the default generator", "2.12", at_least(2, 12),
+         "autograph resets it with one empty capture"),
+        ("a failed capture ends its pool's routing", "2.14", at_least(2, 14),
+         "autograph ends the routing and releases the pool itself"),
+        ("stale outputs='static' buffers raise", "CUDA build",
+         hasattr(torch._C, "_set_storage_data_ptr_access_error_msg"),
+         "outputs='static' returns copies"),
+    ]
+    floor = ".".join(map(str, _config.TORCH_FLOOR))
+    lines = [f"{f'what each torch gives (floor: torch {floor})':50} {'needs':10} here  "
+             f"without it"]
+    lines += [f"{feature:50} {needs:10} {'yes' if here else 'no ':4}  {without}"
+              for feature, needs, here, without in rows]
+    return "\n".join(lines)

@@ -35,12 +35,9 @@ from .._warn import warn_user
 
 Tensor = torch.Tensor
 
-_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
-# Dynamo's frame hook: set while compiled code runs. Where torch lacks the getter, assume it
-# may be set (the safe, slower path).
-_dynamo_callback: Callable[[], Any] = getattr(
-    getattr(torch._C, "_dynamo", None) and torch._C._dynamo.eval_frame,
-    "get_eval_frame_callback", lambda: True)
+_is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+# Dynamo's frame hook: set while compiled code runs.
+_dynamo_callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
 def _needs_gradients(tensors: Sequence[Tensor], instance: Any) -> bool:

@@ -63,11 +63,6 @@ _WRITES_TRAINED = ("it writes in place to an argument that requires grad, which 
 
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-try:
-    _top_hooks(True)
-    _TOP_HOOKS_ARGS: tuple = (True,)  # True: also while compiled autograd traces
-except TypeError:  # older torch takes no argument
-    _TOP_HOOKS_ARGS = ()
 
 
 def _user_saved_tensor_hooks() -> bool:
@@ -77,7 +72,7 @@ def _user_saved_tensor_hooks() -> bool:
     ...     _user_saved_tensor_hooks()
     True
     """
-    return _top_hooks(*_TOP_HOOKS_ARGS) is not None
+    return _top_hooks(True) is not None  # True: also while compiled autograd traces
 
 
 class _ForwardWatch(TorchDispatchMode):

@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 import autograph
 from autograph.backends._cpu_graphs import CpuGraphs
 from conftest import requires_cuda
+from helpers.torch_versions import compiles_per_mode_stack
 
 
 def step(x, acc):
@@ -62,8 +63,9 @@ def test_graphed_compiled_function_compiles_and_captures_the_compiled_code(
     assert (stats.state, stats.replays) == ("graphed", 4)
     # Compiled under the guard (warmup), then run inside the capture; never re-run by replays.
     # inference_mode: the static copies are normal tensors (for their version counters), so
-    # the capture compiles once more.
-    assert counting.compiles == (1 if mode is torch.no_grad else 2)
+    # the capture compiles once more; so does torch < 2.10 for the capture's modes.
+    again = mode is torch.inference_mode or (device == "cpu" and compiles_per_mode_stack())
+    assert counting.compiles == (2 if again else 1)
     assert counting.runs == 2
 
 
@@ -71,9 +73,11 @@ def test_compiled_function_keeps_compiling_after_autograph(device):
     counter = CompileCounter()
     compiled = torch.compile(step, backend=counter)
     _calls(autograph.graphed(compiled), step, device)
-    assert counter.frame_count == 1
+    # torch < 2.10 compiles again under the emulation's recorder (another mode stack).
+    compiles = 2 if device == "cpu" and compiles_per_mode_stack() else 1
+    assert counter.frame_count == compiles
     _calls(compiled, step, device)  # called directly: the cached code, no new compile
-    assert counter.frame_count == 1
+    assert counter.frame_count == compiles
     assert counters["frames"]["total"] == counters["frames"]["ok"]
 
 

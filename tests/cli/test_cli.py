@@ -3,8 +3,10 @@ import pytest
 import torch
 
 import autograph
+from autograph import _config
 from autograph.cli import _bench, _demo
 from autograph.__main__ import main
+from helpers.torch_versions import torch_at_least
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(),
                              reason="the CPU demo runs only on a machine without CUDA")
@@ -37,6 +39,28 @@ def test_doctor_starts_with_the_versions(capsys):
     main(["doctor"])
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(f"autograph {autograph.__version__}, torch {torch.__version__}")
+
+
+def test_doctor_says_what_this_torch_gives(capsys):
+    main(["doctor"])
+    rows = capsys.readouterr().out.splitlines()
+    assert "what each torch gives (floor: torch 2.9)" in rows[2]
+
+    def here(feature):
+        row = next(r for r in rows if r.startswith(feature + " "))
+        return row[len(feature):].split()[1]
+    compiles_once = "a compiled function compiles once under autograph"
+    assert here(compiles_once) == ("yes" if torch_at_least(2, 10) else "no")
+    assert here("a failed capture ends its pool's routing") == (
+        "yes" if torch_at_least(2, 14) else "no")
+
+
+def test_a_torch_older_than_the_floor_is_refused_with_the_fix():
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.9, and this is torch 2\.8\.0.*"
+                                          r"pip install 'torch>=2\.9'"):
+        _config.check_torch("2.8.0")
+    _config.check_torch("2.9.0")
+    _config.check_torch("2.10.0a0+git1234")
 
 
 def test_compare_calls_a_difference_real_only_when_every_round_agrees():
