@@ -3,7 +3,7 @@
 >>> choose(state, logits, recipe)     # after the prefill (eagerly), and in every decode step
 
 The same ops as transformers' ``_sample`` loop, in its order, at a fixed shape and with no host
-read (docs/design.md, "Generation"):
+read (docs/design.md, "Decoding"):
 
 - the last position's logits as float32, processed by the recipe;
 - greedy: ``argmax``; sampling: ``softmax``, then the draw ``torch.multinomial(probs, 1)``

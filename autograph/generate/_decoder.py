@@ -7,7 +7,7 @@ The decode step (forward, logits processing, the choice of the token, the end-of
 bookkeeping) is one function graphed by ``autograph.graphed``: its first call is a warmup, its
 second is captured, every later one, in this call and in later calls, a replay. Its state lives
 in a ``DecodeState`` and in the cache, both updated in place and reset in place per call, so the
-graph's addresses hold across calls (docs/design.md, "Generation").
+graph's addresses hold across calls (docs/design.md, "Decoding").
 
 The cache autograph makes has full-length layers only: transformers' sliding-window layer keeps
 a Python counter that decides its branch and the mask's offset at every step, which a replay
@@ -99,7 +99,7 @@ class Decoder:
                               f"generate_decode_step[{type(model).__name__}, {rows} rows]")
         if compile is not None:   # torch.compile's options, as sorted (name, value) pairs
             step = torch.compile(step, **dict(compile))
-        self._step = graphed(step, static_argnames=("token",))
+        self._step = graphed(static_argnames=("token",))(step)
 
     def step(self, recipe: Recipe) -> None:
         """One decode step: a replay of its graph, from the third on."""

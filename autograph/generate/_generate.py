@@ -1,6 +1,6 @@
 """``autograph.generate``: Hugging Face decoding with each decode step one graph replay.
 
-See ``generate``'s docstring; docs/design.md, "Generation" says how it is built.
+See ``generate``'s docstring; docs/design.md, "Decoding" says how it is built.
 """
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ def generate(model: Any, input_ids: Optional[torch.Tensor] = None,
              buckets: Optional[Sequence[int]] = None,
              compile: Union[bool, Dict[str, Any]] = False,
              check_every: int = CHECK_EVERY, **generation_kwargs: Any) -> Any:
-    """``model.generate(input_ids, attention_mask=..., **generation_kwargs)``, with each decode
-    step (forward, logits processing, the choice of the next token, end-of-sequence
-    bookkeeping) one CUDA graph replay and no host read per token.
+    """``model.generate(input_ids, attention_mask=..., **generation_kwargs)``, each decode step
+    (forward, logits processing, choice of the token, end bookkeeping) one graph replay.
 
     >>> import torch, transformers, autograph
     >>> config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, vocab_size=256,
@@ -32,51 +31,39 @@ def generate(model: Any, input_ids: Optional[torch.Tensor] = None,
     >>> torch.equal(tokens, model.generate(ids, max_new_tokens=16, do_sample=False))
     True
 
-    It returns what ``model.generate`` returns for the options it serves: greedy decoding and
-    sampling (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    Served: greedy and sampling (``temperature``, ``top_k``, ``top_p``, ``min_p``,
     ``repetition_penalty``), ``max_new_tokens``/``max_length``, ``min_new_tokens``/
-    ``min_length``, ``eos_token_id`` (one or several) and ``pad_token_id``, the model's
-    ``generation_config`` defaults, batches with left padding and an attention mask (rows end
-    on their own and are padded after their end), and a ``past_key_values`` StaticCache of the
-    caller's (empty: ``cache.reset()`` it between calls; it is left as model.generate leaves it).
+    ``min_length``, ``eos_token_id`` (one or several), ``pad_token_id``, the model's
+    ``generation_config`` defaults, left-padded batches (rows end on their own, padded after),
+    and an empty ``past_key_values`` StaticCache of the caller's. Greedy tokens equal
+    ``model.generate``'s; sampling draws as ``torch.multinomial`` does, so from the same
+    ``torch.manual_seed`` the tokens are transformers' (steps after the end draw too: the
+    generator ends further along). The prefill runs eagerly; each decode step replays one
+    graph, kept for later calls with its StaticCache (reset in place; full-length layers; the
+    prompt plus ``max_new_tokens`` rounded up to a power of two, >= 64). The host checks
+    "every row finished" every ``check_every`` tokens (8), one check behind, so the CPU runs
+    ahead; the steps run after the end never show in the result.
 
-    - Greedy tokens equal ``model.generate``'s (the same model, eager kernels). Sampling draws
-      from the default generator exactly as ``torch.multinomial`` does, one draw per token of
-      every row, so from the same seed (``torch.manual_seed``) the tokens are transformers';
-      only the steps after the end draw more, so the generator ends up further along.
-    - The prompt's prefill runs eagerly; then each step is a replay of one graph of the step,
-      captured at the second step of the first call and kept for later calls. The host looks
-      at "every row finished" only every ``check_every`` tokens (8), one check behind, so the
-      CPU runs ahead of the GPU; the up to ``2 * check_every - 1`` steps run after the end are
-      never in the result.
-    - The StaticCache is made by autograph (the prompt plus ``max_new_tokens`` rounded up to a
-      power of two, at least 64; full-length layers: a sliding window is applied by the mask)
-      and reused across calls, reset in place; a decoder is kept per model, batch size and
-      mode (the 4 most recent).
-    - ``buckets=[1, 2, 4, 8]``: a batch of B rows runs in the decoder of the smallest bucket
-      >= B (spare rows copy row 0 and are finished from the start), so a server's batch
-      sizes share a few graphs; above the largest bucket it runs at its own size. The real
-      rows then run in kernels chosen for the bucket's size, which may round differently from
-      those of B rows, and sampling draws for the bucket's rows: the tokens are the bucket's.
-    - ``compile=True`` graphs ``torch.compile(step)``: fused kernels, so the tokens are not
-      bit-equal to eager's. Its first call compiles the step (about 15-20 s for an 8-layer
-      Llama on an H200; then the capture, 0.2 s). A dict is torch.compile's options
-      (``compile={"backend": "aot_eager"}``, ``{"mode": "max-autotune-no-cudagraphs"}``).
+    ``buckets=[1, 2, 4, 8]``: a batch runs in the decoder of the smallest bucket that holds
+    it (spare rows finished from the start), so its tokens are the bucket's kernels' and draws.
+    ``compile=True`` graphs ``torch.compile(step)`` (or a dict of torch.compile's options):
+    fused kernels, so tokens are not bit-equal to eager's; its first call compiles the step,
+    about 15-20 s for an 8-layer Llama on an H200, then captures it (0.2 s).
 
     Anything else (beam search, assisted decoding, streamers, custom logits processors or
-    stopping criteria, ``output_scores``, ``return_dict_in_generate``, ``num_return_sequences``,
-    encoder-decoder models, a cache other than an empty StaticCache of full-length layers...)
-    runs ``model.generate`` as it is, with one ``autograph.AutographWarning`` naming it.
+    stopping criteria, ``output_scores``, ``return_dict_in_generate``, encoder-decoder models,
+    other caches...) runs ``model.generate`` as it is, with one ``AutographWarning`` naming it.
     """
     if transformers_major() < 5:
         reason = "transformers < 5 (its StaticCache does not count its own positions)"
         return _as_transformers_does(model, input_ids, attention_mask, generation_kwargs, reason)
     rows = _rows_for(input_ids, buckets)
     _check_every_is_valid(check_every)
+    compiled = _compiled(compile)
     with torch.no_grad():
         plan = plan_of(model, input_ids, attention_mask, generation_kwargs)
         decoder = plan if isinstance(plan, str) else \
-            decoder_for(model, plan, max(rows, plan.prompt.shape[0]), _compiled(compile))
+            decoder_for(model, plan, max(rows, plan.prompt.shape[0]), compiled)
         if isinstance(decoder, str):
             return _as_transformers_does(model, input_ids, attention_mask, generation_kwargs,
                                          decoder)

@@ -10,7 +10,7 @@ soon: the CPU stays up to two checks ahead of the GPU and never waits for the st
 queued. So up to ``2 * check_every - 1`` steps may run after every row has finished; they write
 pad tokens past the end, which the result never shows (the state's ``count`` says where
 model.generate would have stopped). On the CPU there is nothing to run ahead of: the flag is
-read at each check (docs/design.md, "Generation").
+read at each check (docs/design.md, "Decoding").
 
 ``CHECK_EVERY = 8``: at the 1 ms decode step of the benchmark's model, a check costs the host
 tens of microseconds per 8 ms of GPU work, and an eos wastes at most 15 steps' GPU time.
@@ -48,8 +48,9 @@ class FinishedFlags:
         if not self.pending:   # the first check of a call: nothing queued before it to read
             self.pending = True
             return False
-        host, event = self.slots[0]
-        event.synchronize()
+        host, previous = self.slots[0]
+        assert previous is not None
+        previous.synchronize()
         return not bool(host)
 
 

@@ -8,7 +8,7 @@ tokens, the inferred attention mask and positions, the lengths, the logits proce
 stopping criteria it would build), so the defaults, warnings and errors are transformers'. What
 it builds is then checked against what the decode step does on the device (``_recipe``): any
 processor, stopping criterion, mode or model argument outside that set is named, and the call
-runs ``model.generate`` as it is (docs/design.md, "Generation").
+runs ``model.generate`` as it is (docs/design.md, "Decoding").
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from ._recipe import Recipe, recipe_of
 
 # Arguments of model.generate that change the decoding loop itself: never served here.
 _LOOP_ARGUMENTS = {
-    "logits_processor": "a custom logits_processor", "stopping_criteria": "custom stopping_criteria",
+    "logits_processor": "a custom logits_processor",
+    "stopping_criteria": "custom stopping_criteria",
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn", "assistant_model": "assisted decoding",
     "streamer": "a streamer", "negative_prompt_ids": "negative_prompt_ids",
     "negative_prompt_attention_mask": "negative_prompt_attention_mask",
@@ -74,30 +75,13 @@ def plan_of(model: Any, input_ids: Any, attention_mask: Optional[torch.Tensor],
     rows, length = input_ids.shape
     model._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device,
                                   batch_size=rows)
-    mask = attention_mask if attention_mask is not None else \
-        model._prepare_attention_mask_for_generation(input_ids, config, {})
-    positions = None
-    if "position_ids" in _parameters(model):
-        positions = model._prepare_position_ids_for_generation(input_ids,
-                                                               {"attention_mask": mask})
-    padded = "flash" in str(getattr(model.config, "_attn_implementation", "")) or \
-        not bool((mask == 1).all())
+    mask, positions, padded = _mask_and_positions(model, config, input_ids, attention_mask)
     model._prepare_generated_length(
         generation_config=config, has_default_max_length=defaults[0],
         has_default_min_length=defaults[1], model_input_name="input_ids",
         inputs_tensor=input_ids, input_ids_length=length)
     model._validate_generated_length(config, length, defaults[0])
-    from transformers.generation import LogitsProcessorList, StoppingCriteriaList
-
-    processors = model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=length, encoder_input_ids=input_ids,
-        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=input_ids.device,
-        model_kwargs={"attention_mask": mask if padded else None},
-        negative_prompt_ids=None, negative_prompt_attention_mask=None)
-    criteria = model._get_stopping_criteria(generation_config=config,
-                                            stopping_criteria=StoppingCriteriaList(),
-                                            tokenizer=tokenizer)
-    recipe = recipe_of(processors, criteria, config, length)
+    recipe = _processing(model, config, input_ids, mask if padded else None, tokenizer)
     if isinstance(recipe, str):
         return recipe
     recipe, blocked, ignored = recipe
@@ -107,6 +91,40 @@ def plan_of(model: Any, input_ids: Any, attention_mask: Optional[torch.Tensor],
                 eos=config._eos_token_tensor, pad=config._pad_token_tensor,
                 eos_blocked_until=blocked, repetition_ignored=ignored,
                 cache=_given_cache(model_kwargs), cache_name=cache_name)
+
+
+def _mask_and_positions(model: Any, config: Any, input_ids: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor]) -> Any:
+    """(mask, positions, whether the model gets the mask), as model.generate makes them: a
+    mask inferred from pad ids when none is given, positions from the mask's cumulative sum,
+    and an all-ones mask dropped (kept for flash attention)."""
+    mask = attention_mask if attention_mask is not None else \
+        model._prepare_attention_mask_for_generation(input_ids, config, {})
+    positions = None
+    if "position_ids" in _parameters(model):
+        positions = model._prepare_position_ids_for_generation(input_ids,
+                                                               {"attention_mask": mask})
+    padded = "flash" in str(getattr(model.config, "_attn_implementation", "")) or \
+        not bool((mask == 1).all())
+    return mask, positions, padded
+
+
+def _processing(model: Any, config: Any, input_ids: torch.Tensor,
+                mask: Optional[torch.Tensor], tokenizer: Any) -> Any:
+    """The recipe of the logits processors and stopping criteria model.generate would build
+    for this call (``recipe_of``), or the name of one it does not apply."""
+    from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1],
+        encoder_input_ids=input_ids, prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(), device=input_ids.device,
+        model_kwargs={"attention_mask": mask}, negative_prompt_ids=None,
+        negative_prompt_attention_mask=None)
+    criteria = model._get_stopping_criteria(generation_config=config,
+                                            stopping_criteria=StoppingCriteriaList(),
+                                            tokenizer=tokenizer)
+    return recipe_of(processors, criteria, config, input_ids.shape[1])
 
 
 def _parameters(model: Any) -> Any:
@@ -170,7 +188,8 @@ def _unserved_cache(cache: Any, name: str) -> Optional[str]:
         return (f"{name}= a StaticCache with {', '.join(sorted(kinds))} layers, which keep a "
                 f"Python counter (leave {name} out: autograph.generate then makes a cache of "
                 f"full-length layers, the sliding window applied by the mask)")
-    if any(layer.is_initialized and int(layer.cumulative_length) != 0 for layer in cache.layers):
+    layers: Any = cache.layers
+    if any(layer.is_initialized and int(layer.cumulative_length) != 0 for layer in layers):
         return f"{name}= a StaticCache that holds tokens already (cache.reset() starts it anew)"
     return None
 

@@ -6,7 +6,7 @@
 ``model.generate`` builds a list of logits processors per call; some read the growing
 ``input_ids`` (their length decides in Python whether eos is blocked; the repetition penalty
 gathers over every id so far). Here each becomes an op over the decode state's fixed-shape
-buffers, in the list's order, computing the same values (docs/design.md, "Generation"):
+buffers, in the list's order, computing the same values (docs/design.md, "Decoding"):
 
 - temperature, top-k, top-p and min-p are transformers' own classes, rebuilt from their
   attributes inside the step (they read only the scores);
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
@@ -65,7 +65,9 @@ def recipe_of(processors: Any, criteria: Any, config: Any,
               length: int) -> Union[Tuple[Recipe, Dict[str, int], Any], str]:
     """(recipe, eos thresholds by lane, the repetition penalty's prompt_ignore_length), or the
     name of the processor or criterion the decode step does not apply."""
-    steps, blocked, ignored = [], {}, None
+    steps: List[Tuple[Any, ...]] = []
+    blocked: Dict[str, int] = {}
+    ignored = None
     for processor in processors:
         name = type(processor).__name__
         if name in _WARPERS:

@@ -6,7 +6,7 @@
 The graph of the decode step reads these by address and updates them in place, so nothing of
 the loop lives on the host: the last token, its position, the attention mask over the whole
 cache (the prompt's, then ones: the causal mask hides what is not written yet), which rows are
-unfinished, the tokens made so far and their count (docs/design.md, "Generation").
+unfinished, the tokens made so far and their count (docs/design.md, "Decoding").
 """
 from __future__ import annotations
 

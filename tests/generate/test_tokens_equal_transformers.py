@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import autograph
+
 from helpers.generation import assert_graphed, decode_steps, left_padded, replays
 from helpers.models import DECODERS, tiny_decoder
 
