@@ -48,6 +48,7 @@ class ModelCall:
         parameters = inspect.signature(model.forward).parameters
         self.cache_name = "cache" if "cache" in parameters else "past_key_values"
         self.keeps_logits = "logits_to_keep" in parameters
+        self.takes_positions = "position_ids" in parameters
 
     @property
     def cache(self) -> Any:
@@ -57,7 +58,7 @@ class ModelCall:
                  positions: Optional[torch.Tensor]) -> torch.Tensor:
         kwargs: Dict[str, Any] = {self.cache_name: self.cache, "use_cache": True,
                                   "return_dict": True}
-        if positions is not None:
+        if positions is not None and self.takes_positions:
             kwargs["position_ids"] = positions
         if self.keeps_logits:
             kwargs["logits_to_keep"] = 1

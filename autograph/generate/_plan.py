@@ -142,6 +142,9 @@ def _unserved_call(model: Any, input_ids: Any, kwargs: Dict[str, Any]) -> Option
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
             input_ids.dtype not in (torch.long, torch.int):
         return "input_ids that are not a 2-D tensor of token ids"
+    weights = next(model.parameters(), None)
+    if weights is not None and weights.device != input_ids.device:
+        return f"input_ids on {input_ids.device}, the model on {weights.device} (move them)"
     if "attention_mask" not in _parameters(model):
         return f"a model whose forward takes no attention_mask ({type(model).__name__})"
     return None
