@@ -36,7 +36,9 @@ def generate(model: Any, input_ids: Optional[torch.Tensor] = None,
     ``min_length``, ``eos_token_id`` (one or several), ``pad_token_id``, the model's
     ``generation_config`` defaults, left-padded batches (rows end on their own, padded after),
     and an empty ``past_key_values`` StaticCache of the caller's. Greedy tokens equal
-    ``model.generate``'s; sampling draws as ``torch.multinomial`` does, so from the same
+    ``model.generate``'s over a StaticCache of the same length (the same ops; its default
+    DynamicCache may use another attention kernel on the GPU, which in bf16 can round a
+    near-tie otherwise; on the CPU they matched across 12 model families); sampling draws as ``torch.multinomial`` does, so from the same
     ``torch.manual_seed`` the tokens are transformers' (steps after the end draw too: the
     generator ends further along). The prefill runs eagerly; each decode step replays one
     graph, kept for later calls with its StaticCache (reset in place; full-length layers; the

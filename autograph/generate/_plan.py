@@ -53,7 +53,6 @@ class Plan:
     eos_blocked_until: Dict[str, int]   # min-length processors: tokens before eos may come
     repetition_ignored: Any         # the repetition processor's prompt_ignore_length
     cache: Any                      # the caller's StaticCache, or None
-    cache_name: str                 # the forward's keyword for it
 
 
 def plan_of(model: Any, input_ids: Any, attention_mask: Optional[torch.Tensor],
@@ -85,12 +84,11 @@ def plan_of(model: Any, input_ids: Any, attention_mask: Optional[torch.Tensor],
     if isinstance(recipe, str):
         return recipe
     recipe, blocked, ignored = recipe
-    cache_name = "cache" if "cache" in _parameters(model) else "past_key_values"
     return Plan(prompt=input_ids, mask=mask, padded=padded, positions=positions,
                 max_new_tokens=config.max_length - length, recipe=recipe,
                 eos=config._eos_token_tensor, pad=config._pad_token_tensor,
                 eos_blocked_until=blocked, repetition_ignored=ignored,
-                cache=_given_cache(model_kwargs), cache_name=cache_name)
+                cache=_given_cache(model_kwargs))
 
 
 def _mask_and_positions(model: Any, config: Any, input_ids: torch.Tensor,

@@ -25,7 +25,7 @@ class DecodeState:
         def longs(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
-        self.rows, self.length = rows, length
+        self.rows = rows
         self.token = longs(rows, 1)           # the next forward's input: the last choice
         self.position = longs(rows, 1)        # its position id, advanced before the forward
         self.mask = longs(rows, length)       # the attention mask the decode step passes
