@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from .._scope import nested_calls
 from ..api._graphed import graphed
 from ._choose import choose
 from ._loop import FinishedFlags
@@ -38,47 +39,37 @@ _given: "weakref.WeakKeyDictionary[Any, Decoder]" = weakref.WeakKeyDictionary()
 
 
 class ModelCall:
-    """The model's call as model.generate makes it, over one cache (held weakly when it is the
-    caller's: it goes when the caller drops it)."""
+    """The model's call as model.generate makes it: which keywords its forward takes."""
 
-    def __init__(self, model: Any, cache: Any, own: bool):
-        self.model = weakref.ref(model)
-        self._cache = weakref.ref(cache)
-        self.own_cache = cache if own else None
+    def __init__(self, model: Any):
         parameters = inspect.signature(model.forward).parameters
         self.cache_name = "cache" if "cache" in parameters else "past_key_values"
         self.keeps_logits = "logits_to_keep" in parameters
         self.takes_positions = "position_ids" in parameters
 
-    @property
-    def cache(self) -> Any:
-        return self._cache()
-
-    def __call__(self, ids: torch.Tensor, mask: Optional[torch.Tensor],
+    def __call__(self, model: Any, cache: Any, ids: torch.Tensor, mask: Optional[torch.Tensor],
                  positions: Optional[torch.Tensor]) -> torch.Tensor:
-        kwargs: Dict[str, Any] = {self.cache_name: self.cache, "use_cache": True,
-                                  "return_dict": True}
+        kwargs: Dict[str, Any] = {self.cache_name: cache, "use_cache": True, "return_dict": True}
         if positions is not None and self.takes_positions:
             kwargs["position_ids"] = positions
         if self.keeps_logits:
             kwargs["logits_to_keep"] = 1
-        model = self.model()
-        assert model is not None, "a decoder outlived its model"
         return model(input_ids=ids, attention_mask=mask, **kwargs).logits
 
 
-def decode_step_of(forward: ModelCall, state: DecodeState,
-                   name: str) -> Callable[[torch.Tensor, Recipe], None]:
-    """The function the graph is captured from: it reaches the model call and the state only
-    (never the graphed function's own engine, whose counters change on every call). ``token``
-    is the state's own, passed by address (``static_argnames``) so that the graph is made on
-    its device. It always passes the mask over the whole cache: with a StaticCache a decode
-    step's mask is built whether or not one is given (transformers never skips it for a
-    compileable cache at one query), so an all-ones mask computes what none does, and models
-    that would size a mask of their own from the cache's length (OPT) are spared a host read."""
-    def decode_step(token: torch.Tensor, recipe: Recipe) -> None:
+def decode_step_of(forward: ModelCall, state: DecodeState, name: str) -> Callable[..., None]:
+    """The function the graph is captured from. The model and the cache are its arguments
+    (keyed by identity, held weakly, and surveyed for Python state as a call's arguments are);
+    its closure holds the state and the forward's keywords, never the graphed function's own
+    engine (whose counters change on every call). ``token`` is the state's own, passed by
+    address (``static_argnames``) so that the graph is made on its device. It always passes
+    the mask over the whole cache: with a StaticCache a decode step's mask is built whether or
+    not one is given (transformers never skips it for a compileable cache at one query), so an
+    all-ones mask computes what none does, and models that would size a mask of their own
+    from the cache's length (OPT) are spared a host read."""
+    def decode_step(model: Any, cache: Any, token: torch.Tensor, recipe: Recipe) -> None:
         state.position.add_(1)
-        logits = forward(token, state.mask, state.position)
+        logits = forward(model, cache, token, state.mask, state.position)
         choose(state, logits, recipe)
 
     decode_step.__qualname__ = decode_step.__name__ = name
@@ -86,13 +77,18 @@ def decode_step_of(forward: ModelCall, state: DecodeState,
 
 
 class Decoder:
-    """The decode state, the cache and the graphed step of one model at one batch size."""
+    """The decode state, the cache and the graphed step of one model at one batch size. The
+    model is held weakly, and so is a cache of the caller's: they go when the caller drops
+    them (a decoder is found through them, in weak dictionaries)."""
 
     def __init__(self, model: Any, cache: Any, own: bool, rows: int, length: int,
                  compile: Any, key: Tuple[Any, ...] = ()):
         self.key = key
         self.length = length
-        self.forward = ModelCall(model, cache, own)
+        self.model = weakref.ref(model)
+        self._cache = weakref.ref(cache)
+        self.own_cache = cache if own else None
+        self.forward = ModelCall(model)
         device = next(model.parameters()).device
         self.state = DecodeState(rows, length, _vocabulary(model), device)
         self.flags = FinishedFlags(self.state.alive)
@@ -100,23 +96,30 @@ class Decoder:
                               f"generate_decode_step[{type(model).__name__}, {rows} rows]")
         if compile is not None:   # torch.compile's options, as sorted (name, value) pairs
             step = torch.compile(step, **dict(compile))
-        self._step = graphed(static_argnames=("token",))(step)
+        # buckets=None: a region's buckets would pad the state's own token (its rows are the
+        # decoder's already); its other options apply as to any graphed function.
+        self._step = graphed(static_argnames=("token",), buckets=None)(step)
+
+    @property
+    def cache(self) -> Any:
+        return self._cache()
 
     def step(self, recipe: Recipe) -> None:
         """One decode step: a replay of its graph, from the third on."""
-        self._step(self.state.token, recipe)
+        self._step(self.model(), self.cache, self.state.token, recipe)
 
     def start(self, plan: Any) -> None:
         """Reset the cache and the state in place, prefill the prompt (eagerly) and choose the
         first token from its logits."""
-        if self.forward.own_cache is not None:
-            self.forward.own_cache.reset()
+        if self.own_cache is not None:
+            self.own_cache.reset()
         state = self.state
         state.start(plan)
         spread = state.spread
         positions = None if plan.positions is None else spread(plan.positions)
-        logits = self.forward(spread(plan.prompt), spread(plan.mask) if plan.padded else None,
-                              positions)
+        with nested_calls():   # an enclosing region's: this call is autograph.generate's own
+            logits = self.forward(self.model(), self.cache, spread(plan.prompt),
+                                  spread(plan.mask) if plan.padded else None, positions)
         choose(state, logits, plan.recipe)
 
     def result(self, plan: Any) -> torch.Tensor:
@@ -124,13 +127,13 @@ class Decoder:
         a caller's cache is left holding what model.generate would have left in it."""
         rows, length = plan.prompt.shape
         count = int(self.state.count)
-        if self.forward.own_cache is None:
+        if self.own_cache is None:
             self._trim_cache(length + count - 1, length + int(self.state.index) - 1)
         return torch.cat([plan.prompt, self.state.generated[:rows, :count]], dim=1)
 
     def _trim_cache(self, kept: int, written: int) -> None:
         """Forget the steps run after the end: the write position back to ``kept``."""
-        for layer in self.forward.cache.layers:
+        for layer in self.cache.layers:
             layer.cumulative_length.fill_(kept)
             if written > kept:
                 layer.keys[:, :, kept:written].zero_()
@@ -153,7 +156,7 @@ def decoder_for(model: Any, plan: Any, rows: int, compile: Any) -> Union[Decoder
         return decoder
     kept.pop(key, None)
     length = max(64, 1 << (needed - 1).bit_length())
-    cache = own_cache(model, length)
+    cache = full_length_cache(model, length)
     if isinstance(cache, str):
         return cache
     kept[key] = Decoder(model, cache, True, rows, length, compile)
@@ -170,12 +173,12 @@ def _given_decoder(model: Any, cache: Any, rows: int, needed: int,
                 f"need ({needed - 1})")
     decoder = _given.get(cache)
     key: Tuple[Any, ...] = (rows, torch.is_inference_mode_enabled(), compile)
-    if decoder is None or decoder.forward.model() is not model or decoder.key != key:
+    if decoder is None or decoder.model() is not model or decoder.key != key:
         decoder = _given[cache] = Decoder(model, cache, False, rows, held, compile, key)
     return decoder
 
 
-def own_cache(model: Any, length: int) -> Any:
+def full_length_cache(model: Any, length: int) -> Any:
     """A StaticCache for ``model`` whose layers are all full-length StaticLayers, or why not."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer

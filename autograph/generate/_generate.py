@@ -38,13 +38,14 @@ def generate(model: Any, input_ids: Optional[torch.Tensor] = None,
     and an empty ``past_key_values`` StaticCache of the caller's. Greedy tokens equal
     ``model.generate``'s over a StaticCache of the same length (the same ops; its default
     DynamicCache may use another attention kernel on the GPU, which in bf16 can round a
-    near-tie otherwise; on the CPU they matched across 12 model families); sampling draws as ``torch.multinomial`` does, so from the same
-    ``torch.manual_seed`` the tokens are transformers' (steps after the end draw too: the
-    generator ends further along). The prefill runs eagerly; each decode step replays one
-    graph, kept for later calls with its StaticCache (reset in place; full-length layers; the
-    prompt plus ``max_new_tokens`` rounded up to a power of two, >= 64). The host checks
-    "every row finished" every ``check_every`` tokens (8), one check behind, so the CPU runs
-    ahead; the steps run after the end never show in the result.
+    near-tie otherwise; on the CPU they matched across 12 model families). Sampling draws as
+    ``torch.multinomial`` does, so from the same ``torch.manual_seed`` the tokens are
+    transformers' (steps after the end draw too: the generator ends further along). The
+    prefill runs eagerly; each decode step replays one graph, kept for later calls with its
+    StaticCache (reset in place; full-length layers; the prompt plus ``max_new_tokens``
+    rounded up to a power of two, >= 64). The host checks "every row finished" every
+    ``check_every`` tokens (8), one check behind, so the CPU runs ahead; the steps run after
+    the end never show in the result.
 
     ``buckets=[1, 2, 4, 8]``: a batch runs in the decoder of the smallest bucket that holds
     it (spare rows finished from the start), so its tokens are the bucket's kernels' and draws.

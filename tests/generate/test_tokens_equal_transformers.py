@@ -132,3 +132,16 @@ def test_inference_mode_calls_and_plain_calls_each_get_their_decoder(emulated):
     got = autograph.generate(model, ids, attention_mask=mask, **options)
     assert torch.equal(got, expected) and not got.is_inference()
     assert len(decode_steps()) == 2
+
+
+def test_inside_a_region_the_decode_step_is_graphed_and_the_tokens_are_the_same(emulated):
+    _, _, model = tiny_decoder("llama")
+    ids, mask = left_padded()
+    options = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = model.generate(ids, attention_mask=mask, **options)
+    for _ in range(2):
+        with autograph.region(buckets=[4, 8]):   # not applied to the decode step's state
+            got = autograph.generate(model, ids, attention_mask=mask, **options)
+        assert torch.equal(got, expected)
+    row, = decode_steps()
+    assert row.function.endswith("3 rows]") and row.replays == 2 * 11 - 1
