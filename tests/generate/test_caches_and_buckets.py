@@ -1,6 +1,9 @@
 """The caches autograph.generate decodes over: a StaticCache of the caller's (its tokens, and
 the cache left as model.generate leaves it), batch sizes through buckets, and compile=True
 stacked under the graph."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -71,3 +74,17 @@ def test_compile_stacks_torch_compile_under_the_graph(emulated):
         assert torch.equal(got, expected)
     assert_graphed()
     torch._dynamo.reset()
+
+
+def test_the_decoders_kept_do_not_keep_the_model_or_a_callers_cache_alive(emulated):
+    transformers, config, model = tiny_decoder("llama")
+    ids, mask = left_padded()
+    cache = transformers.StaticCache(config=config, max_cache_len=40)
+    autograph.generate(model, ids, attention_mask=mask, **OPTIONS)
+    autograph.generate(model, ids, attention_mask=mask, past_key_values=cache, **OPTIONS)
+    assert len(decode_steps()) == 2
+    gone = [weakref.ref(model), weakref.ref(cache)]
+    del model, cache
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+    assert decode_steps() == []
