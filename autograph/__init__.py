@@ -22,6 +22,7 @@ from .api._per_bucket import per_bucket
 from .api._region import Region, RegionStats, region
 from .api._report import report, reset, stats
 from ._stats import KeyStats
+from .generate import generate
 from .policy._verify import VERIFY_TOLERANCES
 
 __version__ = "0.2.0.dev0"
@@ -37,6 +38,7 @@ __all__ = [
     "RegionStats",
     "VERIFY_TOLERANCES",
     "capture_stream",
+    "generate",
     "graphed",
     "per_bucket",
     "region",

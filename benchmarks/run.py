@@ -15,6 +15,7 @@ Cases (letters for --cases; estimated wall time on an H200, process start includ
   t  training (benchmarks/case_training.py, when present)
   n  never slower: HF generate() in a region (3 caches), a GPU-bound MLP  ~60-90 s
   i  islands: autograph.graphed(model.generate) beside generate() in a region  ~30-60 s
+  h  HF generate end to end: eager, region, compiled, autograph.generate  ~60-90 s
 
 Each case module ``benchmarks/case_*.py`` has a function ``case_x(rows, with_compile)`` that
 appends rows (dicts: case, variant, value, unit, note, kind, and for line charts series and
@@ -76,8 +77,10 @@ CASES = {
     "n": ("case_never_slower", "case_never_slower", 90,
           "never slower: generate() in a region, GPU-bound MLP"),
     "i": ("case_islands", "case_islands", 60, "islands: graphed(model.generate)"),
+    "h": ("case_generate", "case_generate", 90,
+          "HF generate end to end: eager, region, compiled, autograph.generate"),
 }
-DEFAULT_CASES = "abcdefgtni"
+DEFAULT_CASES = "abcdefgtnih"
 
 
 # ---- one case, in its own process ----

@@ -121,3 +121,46 @@ def gelu_mlp(device, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(),
                                torch.nn.Linear(8, 8)).to(device)
+
+
+DECODERS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2", "opt",
+            "gpt_neox", "mixtral", "olmoe")
+
+
+def tiny_decoder(kind):
+    """(transformers, config, model): a 2-layer, 64-wide decoder of the family ``kind`` (one of
+    ``DECODERS``) with a 256-token vocabulary, seeded, in eval mode, on the CPU. Sliding-window
+    families have a window of 16; skips if the installed transformers lacks the family."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=256)
+    experts = dict(num_experts_per_tok=2)
+    configs = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", common),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", common),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(common, head_dim=16)),
+        "mistral": ("MistralConfig", "MistralForCausalLM", dict(common, sliding_window=16)),
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+                   dict(common, head_dim=16, sliding_window=16)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                   dict(common, head_dim=16, sliding_window=16)),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(common, pad_token_id=0)),
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+                 dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=256)),
+        "opt": ("OPTConfig", "OPTForCausalLM",
+                dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                     vocab_size=256, max_position_embeddings=256, word_embed_proj_dim=64)),
+        "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+                     dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, vocab_size=256, max_position_embeddings=256)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                    dict(common, num_local_experts=4, **experts)),
+        "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(common, num_experts=4, **experts)),
+    }
+    config_name, model_name, options = configs[kind]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    config = getattr(transformers, config_name)(**options)
+    torch.manual_seed(0)
+    return transformers, config, getattr(transformers, model_name)(config).eval()

@@ -14,6 +14,7 @@ import autograph
 from autograph.watch._python_state import PythonState, per_call_reason
 from autograph.watch._reads import roots_of
 from conftest import autograph_warnings, states
+from helpers.models import tiny_decoder
 
 def state_of(fn, instance=None, args=(), kwargs=None, **options):
     kwargs = kwargs or {}
@@ -217,30 +218,6 @@ def test_the_reason_names_the_place_and_the_fix():
 
 
 # ---- transformers' caches ----
-
-def tiny_decoder(kind):
-    transformers = pytest.importorskip("transformers")
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                  max_position_embeddings=256)
-    config, model_class = {
-        "llama": (lambda: transformers.LlamaConfig(**common), transformers.LlamaForCausalLM),
-        "qwen2": (lambda: transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM),
-        "gpt2": (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4,
-                                                 vocab_size=256, n_positions=256),
-                 transformers.GPT2LMHeadModel),
-        "mistral": (lambda: transformers.MistralConfig(**common, sliding_window=16),
-                    transformers.MistralForCausalLM),
-        "gemma2": (lambda: transformers.Gemma2Config(**common, head_dim=16, sliding_window=16),
-                   transformers.Gemma2ForCausalLM),
-        "gemma3": (lambda: transformers.Gemma3TextConfig(**common, head_dim=16,
-                                                         sliding_window=16),
-                   transformers.Gemma3ForCausalLM),
-    }[kind]
-    config = config()
-    torch.manual_seed(0)
-    return transformers, config, model_class(config).eval()
-
 
 @pytest.mark.parametrize("kind, sliding", [("llama", False), ("qwen2", False), ("gpt2", False),
                                            ("mistral", True), ("gemma2", True),

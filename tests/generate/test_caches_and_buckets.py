@@ -1,0 +1,90 @@
+"""The caches autograph.generate decodes over: a StaticCache of the caller's (its tokens, and
+the cache left as model.generate leaves it), batch sizes through buckets, and compile=True
+stacked under the graph."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+import autograph
+
+from helpers.generation import assert_graphed, decode_steps, left_padded
+from helpers.models import tiny_decoder
+
+OPTIONS = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+# transformers >= 5.18 names the argument cache; past_key_values works in 5.17 and later.
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+
+
+def test_a_callers_static_cache_gives_transformers_tokens_and_is_left_as_it_leaves_it(
+        emulated):
+    transformers, config, model = tiny_decoder("llama")
+    ids, mask = left_padded()
+    eos = [int(t) for t in model.generate(ids, attention_mask=mask, eos_token_id=None,
+                                          **OPTIONS)[:, 6 + 4]]   # rows end at their 5th
+    options = dict(OPTIONS, eos_token_id=eos)
+    ours, theirs = (transformers.StaticCache(config=config, max_cache_len=40) for _ in range(2))
+    for _ in range(2):   # the caller resets the cache between calls; the graph is kept
+        ours.reset()
+        theirs.reset()
+        got = autograph.generate(model, ids, attention_mask=mask, past_key_values=ours,
+                                 **options)
+        expected = model.generate(ids, attention_mask=mask, past_key_values=theirs, **options)
+        assert torch.equal(got, expected)
+        for mine, its in zip(ours.layers, theirs.layers):
+            assert int(mine.cumulative_length) == int(its.cumulative_length)
+            assert torch.equal(mine.keys, its.keys) and torch.equal(mine.values, its.values)
+    row, = decode_steps()
+    assert row.state == "graphed" and row.replays > 0
+
+
+def test_a_callers_cache_too_short_for_the_call_runs_model_generate(emulated):
+    transformers, config, model = tiny_decoder("llama")
+    ids, mask = left_padded()
+    cache = transformers.StaticCache(config=config, max_cache_len=10)
+    with pytest.warns(autograph.AutographWarning, match="StaticCache of 10 positions"):
+        with pytest.raises(Exception):   # what model.generate itself does with it
+            autograph.generate(model, ids, attention_mask=mask, past_key_values=cache,
+                               **OPTIONS)
+
+
+def test_buckets_serve_batch_sizes_from_a_few_graphs(emulated):
+    _, _, model = tiny_decoder("llama")
+    for rows in (1, 2, 3, 4, 3, 5):
+        ids, mask = left_padded(rows=rows, seed=rows)
+        got = autograph.generate(model, ids, attention_mask=mask, buckets=[1, 4], **OPTIONS)
+        expected = model.generate(ids, attention_mask=mask, **OPTIONS)
+        assert torch.equal(got, expected), rows
+    sizes = sorted(row.function for row in decode_steps())
+    assert sizes == [f"generate_decode_step[LlamaForCausalLM, {n} rows]" for n in (1, 4, 5)]
+    assert_graphed()
+
+
+def test_compile_stacks_torch_compile_under_the_graph(emulated):
+    # On the CPU the emulation records ATen ops, so the compiled step uses a Dynamo backend
+    # whose ops go through the dispatcher (Inductor's CPU kernels would not be recorded).
+    torch._dynamo.reset()
+    _, _, model = tiny_decoder("llama")
+    ids, mask = left_padded()
+    expected = model.generate(ids, attention_mask=mask, **OPTIONS)
+    for _ in range(2):
+        got = autograph.generate(model, ids, attention_mask=mask,
+                                 compile={"backend": "aot_eager"}, **OPTIONS)
+        assert torch.equal(got, expected)
+    assert_graphed()
+    torch._dynamo.reset()
+
+
+def test_the_decoders_kept_do_not_keep_the_model_or_a_callers_cache_alive(emulated):
+    transformers, config, model = tiny_decoder("llama")
+    ids, mask = left_padded()
+    cache = transformers.StaticCache(config=config, max_cache_len=40)
+    autograph.generate(model, ids, attention_mask=mask, **OPTIONS)
+    autograph.generate(model, ids, attention_mask=mask, past_key_values=cache, **OPTIONS)
+    assert len(decode_steps()) == 2
+    gone = [weakref.ref(model), weakref.ref(cache)]
+    del model, cache
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+    assert decode_steps() == []
