@@ -210,14 +210,38 @@ class GraphedForward:
         copied = memo.get(id(module))
         if copied is None:  # this forward copied alone: copy its module, which holds it
             copied = copy.deepcopy(module, memo)
-            return memo.get(id(self)) or copied.__dict__["forward"]
+            return memo.get(id(self)) or installed_forward(copied)
         forward = self._self_function.__get__(copied) if self._self_bound else \
             copy.deepcopy(self._self_function, memo)
         return GraphedForward(copied, forward, dict(self._self_engine.explicit))
 
+    def __reduce__(self) -> tuple:
+        """Pickled (``torch.save(model)``) as ``deepcopy`` copies it: the options, no graphs;
+        the loaded module graphs anew. Unpickling may meet the module before its state is
+        set: only its class is read then."""
+        module = self._self_module()
+        if module is None:
+            raise ReferenceError(f"{self._self_engine.name}: its module no longer exists")
+        bound_to_class = self._self_bound and \
+            getattr(type(module), "forward", None) is self._self_function
+        return _forward_again, (module, None if bound_to_class else self.__wrapped__,
+                                dict(self._self_engine.explicit))
+
+
+def _forward_again(module: torch.nn.Module, function: Optional[Callable],
+                   options: Dict[str, Any]) -> "GraphedForward":
+    """A pickled module's forward, graphed anew on the loaded module (``__reduce__``)."""
+    forward = type(module).forward.__get__(module) if function is None else function
+    return GraphedForward(module, forward, options)
+
+
+def installed_forward(module: torch.nn.Module) -> Any:
+    """The forward set on this instance (a ``GraphedForward``), or None."""
+    return vars(module).get("forward")
+
 
 def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.Module:
-    existing = module.__dict__.get("forward")
+    existing = installed_forward(module)
     if isinstance(existing, GraphedForward):
         existing.reset()
         forward = existing.__wrapped__  # graphed again, with the new options
@@ -226,7 +250,9 @@ def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.
     # An instance attribute: nn.Module.__call__ finds it first; the module stays itself.
     check_static_arguments(Options(**options), forward_signature(module),
                            f"{type(module).__name__}.forward", bound=False)
-    module.forward = GraphedForward(module, forward, options)
+    # On the instance itself: a traced module's __setattr__ would set it on the script
+    # module inside, where stats(module) and regions would not find it.
+    torch.nn.Module.__setattr__(module, "forward", GraphedForward(module, forward, options))
     return module
 
 

@@ -15,16 +15,17 @@ next region; graphs captured in one region share one memory pool.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 import weakref
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Set
 
 import torch
 
 from .. import _config
 from .._config import Options, check_option_names
 from ..engine._engine import Engine, _is_compiling
-from ._graphed import GraphedForward, forward_signature, module_label
+from ._graphed import GraphedForward, forward_signature, installed_forward, module_label
 from ..policy._islands import register as register_islands
 from ..backends._pool import Pools
 from .._scope import current_region, enter_region, inside_a_graphed_call, leave_region
@@ -59,15 +60,26 @@ class Region:
         # The keys its calls touched, held weakly: a region keeps no graph alive.
         self._touched: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._tallied: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+        self._caches: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
-    def note(self, life: Any, event: str) -> None:
+    def note(self, life: Any, event: str, cache: Any = None) -> None:
         """A key's life tells the region of each event of a call made in it: ``captures``,
-        ``replays`` or ``eager_calls``."""
+        ``replays`` or ``eager_calls``; and the cache that holds it, where the call knows."""
         with self._lock:
             setattr(self, event, getattr(self, event) + 1)
             if id(life) not in self._touched:
                 self._touched[id(life)] = life
+            if cache is not None and id(cache) not in self._caches:
+                self._caches[id(cache)] = cache
+
+    def release_keys(self) -> Set[int]:
+        """Drop the keys its calls made or touched, graphs and all, from their caches (a
+        key's island, when the key's function is reset); return their devices."""
+        with self._lock:
+            lives = {id(life) for life in self._touched.values()}
+            caches = list(self._caches.values())
+        return {device for cache in caches for device in cache.release_entries(lives)}
 
     def note_tallied(self, engine: Any) -> None:
         """A call of ``engine`` that ran eagerly before being keyed (no CUDA, CPU tensors):
@@ -151,15 +163,25 @@ def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         return _original_call(module, *args, **kwargs)
     region = current_region()
     if region is None or not region.enabled or inside_a_graphed_call() or isinstance(
-            module.__dict__.get("forward"), GraphedForward):  # graphed(module) graphs itself
+            installed_forward(module), GraphedForward):  # graphed(module) graphs itself
         return _original_call(module, *args, **kwargs)
     engine = _module_engines.get(module)
     if engine is None:
         # Whole calls, hooks included, with the region's options.
         engine = _module_engines[module] = Engine(
-            type(module).forward, {}, module_label(module),
+            _class_forward(module), {}, module_label(module),
             signature_of=forward_signature(module), instance_label=type(module).__name__)
     return engine(_original_call.__get__(module), module, args, kwargs)
+
+
+def _class_forward(module: torch.nn.Module) -> Any:
+    """The forward a module's class defines. A TorchScript module's is a descriptor that
+    works only on an instance (``type(m).forward`` raises): the descriptor itself stands for
+    it, as its compiled code reads no Python globals and its tensors are on the module."""
+    try:
+        return type(module).forward
+    except AttributeError:
+        return inspect.getattr_static(type(module), "forward")
 
 
 def _install_module_call() -> None:

@@ -20,7 +20,7 @@ import torch
 
 from .. import _config, _stats
 from ..engine._engine import Engine, free
-from ._graphed import GraphedForward
+from ._graphed import GraphedForward, installed_forward
 from ._region import Region, engine_of
 from .._stats import KeyStats
 
@@ -31,7 +31,7 @@ def _engines_and_caches(target: Any) -> List[Any]:
         return _stats.engines()
     if isinstance(target, torch.nn.Module):
         found: List[Any] = []
-        forward = target.__dict__.get("forward")
+        forward = installed_forward(target)
         if isinstance(forward, GraphedForward):
             found.append(forward._self_engine)
         method_engine = getattr(type(target).__dict__.get("forward"), "_self_engine", None)

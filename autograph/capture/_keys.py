@@ -13,6 +13,7 @@ keyed by identity: the key holds their ``id``, and the caller holds them weakly.
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -118,6 +119,16 @@ class Identity:
 
 
 @dataclasses.dataclass(frozen=True)
+class Unkeyable:
+    """A leaf with neither a value hash nor a sound identity (a numpy array, an object with
+    ``__hash__ = None``): its key runs eagerly, with ``reason`` said once."""
+
+    kind: type
+    path: str
+    reason: str = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class AtAddress:
     """A tensor used by address (``static_argnames``): a new address is a new key."""
 
@@ -218,11 +229,18 @@ def _children(obj: Any) -> Tuple[Any, list, Any] | None:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         names = _dataclass_fields(obj)
         return kind, [getattr(obj, n) for n in names], tuple(names)
+    if isinstance(obj, collections.abc.MutableMapping):  # UserDict, HF BatchEncoding
+        return kind, list(obj.values()), tuple(obj.keys())
     return None
 
 
+def is_mapping(kind: type) -> bool:
+    """Whether a container kind of ``_children`` is a dict or another mutable mapping."""
+    return kind is dict or issubclass(kind, collections.abc.MutableMapping)
+
+
 def _child_path(path: str, kind: Any, context: Any, index: int) -> str:
-    if kind is dict and isinstance(context[index], str):
+    if is_mapping(kind) and isinstance(context[index], str):
         return context[index] if not path else f"{path}[{context[index]!r}]"
     return f"{path}[{index}]"
 
@@ -276,15 +294,36 @@ class _Keying:
         try:
             hash(obj)
         except TypeError:
-            raise TypeError(
-                f"argument {path} is an unhashable {type(obj).__name__} ({_short_repr(obj)}); "
-                f"autograph keys each call on its non-tensor arguments by value. Pass it as a "
-                f"tuple, a tensor or a hashable object, or bind it outside the graphed function."
-            ) from None
+            return _unhashable_part(obj, path)
         if type(obj).__hash__ is object.__hash__:
             self.identities.append(obj)
             return Identity(type(obj), id(obj))
         return _leaf_key(obj)
+
+
+def _unhashable_part(obj: Any, path: str) -> Any:
+    """A set of hashable values by value; any other unhashable leaf ``Unkeyable``."""
+    if isinstance(obj, (set, frozenset)):
+        try:
+            return Value(type(obj), frozenset(map(_leaf_key, obj)))
+        except TypeError:
+            pass
+    return Unkeyable(type(obj), path, (
+        f"its argument {path} is an unhashable {type(obj).__name__}, "
+        f"which autograph can key neither by value nor by identity. Pass it as a tensor or a "
+        f"tuple, or bind it outside the graphed function, to graph these calls"))
+
+
+def unkeyable_reason(key: Any) -> Optional[str]:
+    """Why a key made by ``call_key`` cannot be graphed (an ``Unkeyable`` leaf in it), or None."""
+    if isinstance(key, Unkeyable):
+        return key.reason
+    children = key.children if isinstance(key, Node) else key if isinstance(key, tuple) else ()
+    for child in children:
+        reason = unkeyable_reason(child)
+        if reason is not None:
+            return reason
+    return None
 
 
 # ---- readable keys for messages and stats ----
@@ -305,9 +344,9 @@ def _describe(path: str, obj: Any, parts: List[str], resized: Dict[int, torch.Si
                      else f"{path}={_short_repr(obj)}")
         return
     kind, children, context = node
-    if kind is dict or (isinstance(context, tuple) and len(context) == len(children)
+    if is_mapping(kind) or (isinstance(context, tuple) and len(context) == len(children)
                         and all(isinstance(c, str) for c in context)):
-        labels = [f"[{k!r}]" if kind is dict else f".{k}" for k in context]
+        labels = [f"[{k!r}]" if is_mapping(kind) else f".{k}" for k in context]
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
         labels = [f".{f}" for f in obj._fields]
     else:

@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.utils._pytree as _pytree
 
-from ._keys import _children
+from ._keys import _children, is_mapping
 
 Tensor = torch.Tensor
 
@@ -103,6 +103,9 @@ def _container_node(obj: Any) -> Optional[OutputNode]:
     if isinstance(obj, tuple):
         return labels, children, lambda values: kind(*values)
     template = copy.copy(obj)
+    if is_mapping(kind):  # a UserDict, an HF BatchEncoding: its attributes kept, items new
+        return [f"[{k!r}]" for k in context], children, lambda values: _with_items(
+            template, context, values)
 
     def with_fields(values: list) -> Any:
         new = copy.copy(template)
@@ -111,6 +114,13 @@ def _container_node(obj: Any) -> Optional[OutputNode]:
         return new
 
     return labels, children, with_fields
+
+
+def _with_items(template: Any, keys: Sequence[Any], values: Sequence[Any]) -> Any:
+    new = copy.copy(template)
+    for key, value in zip(keys, values):
+        new[key] = value
+    return new
 
 
 def _object_node(obj: Any) -> Optional[OutputNode]:

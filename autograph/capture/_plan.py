@@ -26,6 +26,7 @@ import torch
 from .._config import logger
 from ._outputs import flatten_arguments, flatten_output, real_rows
 from ..watch._reads import storage_ptr
+from ._views import UnplannableOutput, View, held_storages
 
 Tensor = torch.Tensor
 
@@ -191,10 +192,6 @@ class InputPlan:
         copy_all([p[0] for p in pairs], [p[1] for p in pairs])
 
 
-class UnplannableOutput(ValueError):
-    """An output the plan cannot rebuild on every call; the message says why and the fix."""
-
-
 def _poison(storages: List[Any], message: str) -> None:
     for storage in storages:
         torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
@@ -223,13 +220,22 @@ class _ArgumentView(NamedTuple):
     """An output that views an argument: the same view of the caller's tensor."""
 
     index: int
-    size: torch.Size
-    stride: Tuple[int, ...]
-    offset: int  # from the argument's own storage offset
+    view: View
 
     def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
-        tensor = tensors[self.index]
-        return tensor.as_strided(self.size, self.stride, tensor.storage_offset() + self.offset)
+        return self.view.on(tensors[self.index])
+
+
+class _HeldView(NamedTuple):
+    """An output that views a tensor held outside the call (a module's buffer): the same
+    view of that tensor, so that writes through it land there as in eager execution. Held
+    weakly: the read watch invalidates the graph when it dies or is replaced."""
+
+    ref: Any
+    view: View
+
+    def value(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:
+        return self.view.on(self.ref())
 
 
 class _Constant(NamedTuple):
@@ -271,6 +277,7 @@ class OutputPlan:
                  outside: Optional[Dict[int, Tensor]] = None):
         leaves, self.rebuild = flatten_output(result, given)
         input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
+        held = held_storages(outside)
         padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
                                                  if spec is not None}
         self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView, _Given...
@@ -299,8 +306,10 @@ class OutputPlan:
                         "it returns a view of an argument padded to a bucket, whose layout "
                         "differs from call to call; return a copy (.clone()) or name the "
                         "arguments to pad with bucket_args")
-                offset = leaf.storage_offset() - statics[i].storage_offset()
-                self.plan.append(_ArgumentView(i, leaf.size(), leaf.stride(), offset))
+                self.plan.append(_ArgumentView(i, View.of_leaf(leaf, statics[i])))
+            elif leaf.numel() and storage_ptr(leaf) in held:
+                base = held[storage_ptr(leaf)]
+                self.plan.append(_HeldView(weakref.ref(base), View.of_leaf(leaf, base)))
             else:
                 self.plan.append(_Owned(len(self.owned)))
                 self.shared |= leaf.numel() > 0 and storage_ptr(leaf) in storages

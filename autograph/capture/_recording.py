@@ -21,6 +21,7 @@ import torch
 from ..backends._backend import Capture
 from ..watch._guard import Finding, UnsafeOpDetector, classify_capture_error
 from ._plan import InputPlan, OutputPlan, UnplannableOutput
+from ._views import held_storages
 from ._outputs import flatten_output
 from ..watch._reads import CallWatch, Survey, storage_ptr
 
@@ -194,11 +195,17 @@ def _generators(drawn: Sequence[torch.Generator], survey: Survey) -> list:
 
 
 def _watch_returned(result: Any, given: list, outside: dict, watch: CallWatch) -> None:
-    """Watch a tensor that existed before the call and is returned as it is (a parameter) as
-    a read by address, though no op read it: a replay hands out that very tensor."""
+    """Watch a tensor that existed before the call and is returned as it is (a parameter) or
+    viewed (a slice of a buffer) as a read by address, though no op read it: a replay hands
+    out that very tensor, or a view of it."""
+    held = held_storages(outside)
     for leaf in flatten_output(result, given)[0]:
-        if isinstance(leaf, Tensor) and outside.get(id(leaf)) is leaf:
+        if not isinstance(leaf, Tensor):
+            continue
+        if outside.get(id(leaf)) is leaf:
             watch.external.setdefault(storage_ptr(leaf), leaf)
+        elif leaf.layout is torch.strided and leaf.numel() and storage_ptr(leaf) in held:
+            watch.external.setdefault(storage_ptr(leaf), held[storage_ptr(leaf)])
 
 
 def _refuse(capture: Capture, detector: UnsafeOpDetector,

@@ -29,7 +29,8 @@ from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key
 from .._config import Options
 from ._key_cache import KeyCache
 from ._key_life import EAGER, MISS, Call, Function, KeyLife
-from ..capture._keys import call_key, describe_parts, execution_state, join_parts, unsupported_tensor
+from ..capture._keys import (call_key, describe_parts, execution_state, join_parts,
+                             unkeyable_reason, unsupported_tensor)
 from .._scope import nested_calls, thread
 from .._warn import warn_user
 
@@ -195,7 +196,7 @@ class Engine:
             return life
         reason = device_reason
         if reason is None:
-            reason = unsupported_tensor(c.tensors)
+            reason = unsupported_tensor(c.tensors) or unkeyable_reason(key)
             loud = reason is not None
         life.trains = reason is None and _needs_gradients(c.tensors, c.instance)
         if reason is not None:

@@ -151,12 +151,25 @@ class KeyCache:
                     for row in [entry.stats(), *(island_rows(entry) if islands else ())]] + (
                 [] if passed is None else [passed])
 
+    def release_entries(self, lives: Set[int]) -> Set[int]:
+        """Drop the keys whose lives have these ids; return their devices."""
+        with self.lock:
+            keys = [key for key, entry in self.entries.items() if id(entry) in lives]
+            devices = {self.entries[key].device for key in keys}
+            for key in keys:
+                self._drop(key)
+            return devices
+
     def release(self) -> List[int]:
-        """Drop every key and graph; return the devices of its keys (for ``_engine.free``)."""
+        """Drop every key and graph, and those of its keys' islands; return the devices of
+        its keys (for ``_engine.free``)."""
+        with self.lock:
+            islands = [e.island for e in self.entries.values() if e.island]
+        devices = {device for island in islands for device in island.release_keys()}
         with self.lock:
             # Every key's device, graphed or not: a graph released before (a key gone eager)
             # may still hold its pool, from a reference cycle that ``free`` collects.
-            devices = {e.device for e in self.entries.values()}
+            devices |= {e.device for e in self.entries.values()}
             for entry in self.entries.values():
                 if entry.graph is not None:
                     entry.graph.release()

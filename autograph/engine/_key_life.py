@@ -95,7 +95,7 @@ class Call:
     def note(self, life: "KeyLife", event: str) -> None:
         """Tell the region this call is made in (its observer) what happened."""
         if self.region is not None:
-            self.region.note(life, event)
+            self.region.note(life, event, self.cache)
 
 
 def strict_words(call: str, reason: str) -> str:

@@ -702,8 +702,8 @@ def test_calls_that_cannot_be_graphed_whatever_their_key_run_eagerly_in_silence(
     def scale(x, cfg):
         return x * len(cfg)
 
-    with pytest.raises(TypeError, match="cfg"):  # keyed: an unhashable value is named, GPU or not
-        scale(ones, bytearray(b"x"))
+    # An unhashable argument: the call is still made, eagerly (and silently: no GPU to graph on)
+    assert torch.equal(scale(ones, bytearray(b"x")), ones)
     assert autograph_warnings(caught) == []
     add.reset()
     assert add.stats() == []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autograph
-from autograph.capture._keys import call_key, describe_call, execution_state
+from autograph.capture._keys import call_key, describe_call, execution_state, unkeyable_reason
 from autograph.capture._outputs import flatten_output
 from conftest import states
 
@@ -85,9 +85,15 @@ def test_constants_are_keyed_by_value_and_type():
     assert key(x, n=1) != key(x, 1)
 
 
-def test_unhashable_argument_is_a_clear_type_error():
-    with pytest.raises(TypeError, match=r"argument args\[1\] is an unhashable set"):
-        key(torch.zeros(1), {1, 2})
+def test_a_set_is_keyed_by_value_and_other_unhashables_by_their_place():
+    assert key(torch.zeros(1), {1, 2}) == key(torch.zeros(1), {2, 1})
+    assert key(torch.zeros(1), {1}) != key(torch.zeros(1), {True})
+    assert unkeyable_reason(key(torch.zeros(1), {1, 2})) is None
+    assert key(torch.zeros(1), bytearray(b"x")) == key(torch.zeros(1), bytearray(b"y"))
+    assert unkeyable_reason(key(torch.zeros(1), [bytearray(b"x")])) == (
+        "its argument args[1][0] is an unhashable bytearray, which autograph can key neither by "
+        "value nor by identity. Pass it as a tensor or a tuple, or bind it outside the graphed "
+        "function, to graph these calls")
 
 
 def test_objects_hashed_by_identity_are_kept_alive():
