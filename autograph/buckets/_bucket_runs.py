@@ -294,7 +294,10 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
         graph.graph.replay()
         return plan.owned
 
-    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before)
+    arguments = {id(c.tensors[i]) for i in c.addressed}
+    shared = [t for t in life.state_written if id(t) not in arguments]
+    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before,
+                         shared)
     if finding is None:
         return outputs, True
     before.restore()

@@ -28,6 +28,29 @@ def test_a_running_mean_that_would_count_the_pad_rows_runs_eagerly_with_the_reas
                                                                                     caught):
     # The mean moves by 1% of the batch's per call: a replay padded 3 -> 4 rows moves it by
     # 3/4 of that, well within 1% of the accumulated value, which the state check compared to.
+    # It has 4 values, one per hidden unit, as many as the bucket has rows: the pad-row probe
+    # leaves state of the bucket's size to this check (a bucket's KV cache holds pad rows).
+    stats = torch.nn.Module()
+    stats.register_buffer("mean", torch.full((4,), 100.0, device=device))
+
+    @autograph.graphed(buckets=[4])
+    def step(x):
+        stats.mean.mul_(0.99).add_(0.01 * x.mean(0))
+        return x * 2
+
+    expected = stats.mean.clone()
+    for _ in range(12):
+        x = torch.randn(3, 4, device=device) + 100
+        assert torch.equal(step(x), x * 2)
+        expected.mul_(0.99).add_(0.01 * x.mean(0))
+    torch.testing.assert_close(stats.mean, expected)
+    (row,) = autograph.stats(step)
+    assert row.state == "eager" and row.replays == 0
+    assert "stats.mean" in row.fallback_reason and "what the call changed" in row.fallback_reason
+
+
+def test_a_running_mean_without_a_row_per_bucket_row_is_found_by_the_pad_row_probe(device,
+                                                                                   caught):
     stats = torch.nn.Module()
     stats.register_buffer("mean", torch.full((5,), 100.0, device=device))
 
@@ -37,32 +60,32 @@ def test_a_running_mean_that_would_count_the_pad_rows_runs_eagerly_with_the_reas
         return x * 2
 
     expected = stats.mean.clone()
-    for _ in range(12):
+    for _ in range(6):
         x = torch.randn(3, 5, device=device) + 100
         assert torch.equal(step(x), x * 2)
         expected.mul_(0.99).add_(0.01 * x.mean(0))
     torch.testing.assert_close(stats.mean, expected)
     (row,) = autograph.stats(step)
-    assert row.state == "eager" and row.replays == 0
-    assert "stats.mean" in row.fallback_reason and "what the call changed" in row.fallback_reason
+    assert row.state == "eager" and "counts the pad rows" in row.fallback_reason
 
 
-def test_a_running_sum_that_the_pad_rows_leave_alone_stays_graphed(device):
-    # The state check scales with what the call changed: zero pad rows add nothing to a sum.
+def test_state_that_the_pad_rows_leave_alone_stays_graphed(device):
+    # The state check scales with what the call changed, the probe compares what the pad rows
+    # reach: a buffer written from the real rows only keeps its graph.
     stats = torch.nn.Module()
-    stats.register_buffer("total", torch.full((5,), 1000.0, device=device))
+    stats.register_buffer("first", torch.zeros(5, device=device))
 
     @autograph.graphed(buckets=[4])
     def step(x):
-        stats.total.add_(x.sum(0))
+        stats.first.mul_(0.5).add_(x[0])
         return x * 2
 
-    expected = stats.total.clone()
+    expected = stats.first.clone()
     for _ in range(6):
-        x = torch.randn(3, 5, device=device)
+        x = torch.randn(3, 5, device=device) + 1000
         assert torch.equal(step(x), x * 2)
-        expected.add_(x.sum(0))
-    torch.testing.assert_close(stats.total, expected)
+        expected.mul_(0.5).add_(x[0])
+    torch.testing.assert_close(stats.first, expected)
     assert rows_of(step) == [(4, "graphed", 6, 5)]
 
 
@@ -147,3 +170,30 @@ def test_a_batch_of_no_rows_runs_as_called(device, caught):
     by_bucket = {r.bucket: r for r in autograph.stats(double)}
     assert by_bucket[None].state == "eager" and "0 rows" in by_bucket[None].fallback_reason
     assert by_bucket[4].state == "graphed" and by_bucket[4].replays >= 1
+
+
+def test_a_running_mean_beside_per_bucket_state_is_found_by_the_pad_row_probe(device, caught):
+    # A key with per-bucket state runs padded in every phase; its graph's probe replays with
+    # other pad rows and finds that a buffer with no row per batch row changed. The padded
+    # warmups before it have counted their pad rows (see the report of issue 35).
+    stats = torch.nn.Module()
+    stats.register_buffer("mean", torch.full((5,), 100.0, device=device))
+
+    @autograph.graphed(buckets=[4, 8], static_argnames=("cache",), bucket_outputs=0)
+    def step(x, cache):
+        cache.kv[:x.shape[0]] = x[:, :2]
+        stats.mean.mul_(0.99).add_(0.01 * x.mean(0))
+        return x * 2
+
+    caches = {4: Cache(4, device), 8: Cache(8, device)}
+    for _ in range(6):
+        x = torch.randn(3, 5, device=device) + 100
+        assert torch.equal(step(x, caches[4]), x * 2)
+        assert torch.equal(caches[4].kv[:3], x[:, :2])
+        before = stats.mean.clone()
+    x = torch.randn(3, 5, device=device) + 100
+    step(x, caches[4])
+    torch.testing.assert_close(stats.mean, before * 0.99 + 0.01 * x.mean(0))
+    (row,) = autograph.stats(step)
+    assert row.state == "eager" and row.replays == 0
+    assert "counts the pad rows" in row.fallback_reason
