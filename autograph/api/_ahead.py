@@ -19,10 +19,11 @@ from typing import Any, Callable, List, Optional, Tuple, cast
 import torch
 
 from .. import _config
+from ..buckets._bucket_runs import note_capture
 from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
 from .._config import Options, logger
 from ..engine._key_cache import KeyCache
-from ..engine._key_life import CAPTURE, GRAPHED, WARMUP, Call, KeyLife
+from ..engine._key_life import CAPTURE, EAGER, GRAPHED, WARMUP, Call, KeyLife
 from ..capture._keys import call_key
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
@@ -92,6 +93,8 @@ def _capture_key(life: KeyLife, c: Call) -> None:
                 life.watched_warmup(c)
         finally:
             undo.restore()
+        if life.phase == EAGER:  # refused by its warmup (outputs that cannot be sliced back)
+            return
         state = PythonState.of(roots, life.function.fn)
         graph = life.agreed_record(c)
         # Made by the capture's run (so by every call), and by the warmups and the capture
@@ -100,6 +103,9 @@ def _capture_key(life: KeyLife, c: Call) -> None:
     finally:
         before.restore()
     if graph is None:
+        return
+    # Noted and let go: the captured outputs may hold objects the call was given.
+    if c.padding is not None and not note_capture(life, graph, c.padding):
         return
     if changes or made:
         graph.release()

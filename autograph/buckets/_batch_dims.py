@@ -34,15 +34,15 @@ Tensor = torch.Tensor
 # Per output leaf: the dims sliced back to the call's rows (empty: returned whole).
 Dims = Tuple[Tuple[int, ...], ...]
 
-# A run's outputs as evidence, per leaf: ("tensor", shape), ("value", an int it returned),
-# or ("other", its type).
+# A run's outputs as evidence, per leaf: ("tensor", shape), ("value", a number it returned:
+# an int may be the size, a float made from it, 1.0 / x.shape[0]), or ("other", its type).
 _Leaf = Tuple[str, Any]
 
 
 def _as_evidence(leaf: Any) -> _Leaf:
     if isinstance(leaf, Tensor):
         return ("tensor", tuple(leaf.shape))
-    if type(leaf) is int:  # bool is not a size
+    if type(leaf) in (int, float):  # bool is not a size
         return ("value", leaf)
     return ("other", type(leaf))
 
@@ -143,10 +143,10 @@ class BatchShapes:
         for i, (kind, _) in enumerate(first):
             if kind == "value":
                 values = {s: self.runs[s][i][1] for s in sizes}
-                if len(set(values.values())) > 1:
+                if len({repr(v) for v in values.values()}) > 1:  # repr: NaN equals NaN
                     seen = ", ".join(f"{v} at {s} rows" for s, v in values.items())
                     return (f"output {i} is a Python value that changes with the batch size "
-                            f"({seen}), such as x.shape[0]: padded, it would be the bucket's; "
+                            f"({seen}), such as x.shape[0] or 1.0 / x.shape[0]: padded, it would be the bucket's; "
                             f"return a tensor, or compute it outside the function")
         if self.named is not None:
             return self._named_refusal(sizes)
@@ -181,7 +181,7 @@ class BatchShapes:
             return named_dims(self.named, _stand_ins(first)), None
         dims: List[Tuple[int, ...]] = []
         for i, (kind, what) in enumerate(first):
-            if kind == "value" and len(sizes) == 1 and what == sizes[0]:
+            if kind == "value" and len(sizes) == 1 and type(what) is int and what == sizes[0]:
                 return (), (f"output {i} is the Python value {what}, the size of the only run "
                             f"so far: it may be the batch size read in Python")
             if kind != "tensor":

@@ -49,7 +49,10 @@ def run_call(life: Any, c: Any, watched: bool = False) -> Any:
     if padding is None:
         return c.call(*c.args, **c.kwargs)
     if padding.stateful and life.padded_runs and padding.rows != padding.bucket:
-        return _padded_run(life, c, watched)
+        refused = padding.shapes.decide(padding.rows, padding.bucket).refused
+        if refused is None:
+            return _padded_run(life, c, watched)
+        refuse(life, refused)  # its family's runs at other sizes refused it: as called
     with _numbers_of(padding, padding.rows, watched):
         outputs = c.call(*c.args, **c.kwargs)
     padding.shapes.note(padding.rows, flatten_output(outputs)[0])
@@ -165,7 +168,7 @@ def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
     bucket, the captured output shapes and Python numbers are checked first, a replay with pad
     rows probed, and under ``verify=n`` the result checked against an eager run."""
     padding = c.padding
-    if padding is not None and not _note_capture(life, graph, padding):
+    if padding is not None and not note_capture(life, graph, padding):
         return life.run_eagerly(c), False
     checked = padding is not None and (life.options.replays_to_verify or padding.runs_as_called)
     return _first_replay_at_rows(life, c, graph, False, checked)
@@ -227,7 +230,7 @@ def _verified_capture(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any
     return outputs, True
 
 
-def _note_capture(life: Any, graph: Any, padding: Any) -> bool:
+def note_capture(life: Any, graph: Any, padding: Any) -> bool:
     """Note the captured outputs' shapes at the bucket's size; False, the graph released, if
     they show that its outputs cannot be sliced back or the Python numbers its ops got change
     with the size (the key is eager from now on), or if which to slice is still unknown for
@@ -291,7 +294,10 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
         graph.graph.replay()
         return plan.owned
 
-    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before)
+    arguments = {id(c.tensors[i]) for i in c.addressed}
+    shared = [t for t in life.state_written if id(t) not in arguments]
+    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before,
+                         shared)
     if finding is None:
         return outputs, True
     before.restore()

@@ -75,6 +75,8 @@ class BucketRule:
             return None, "it has no tensor to pad to a bucket"
         dim = specs[first][0]
         rows = tensors[first].shape[dim]
+        if rows == 0:  # nothing to pad, and no run of 0 rows says which output dims follow
+            return None, "it has 0 rows: an empty batch runs as called"
         for i, spec in enumerate(specs):
             if spec is not None and tensors[i].shape[spec[0]] != rows:
                 return None, (f"its padded arguments disagree on the size: {rows} and "

@@ -75,11 +75,29 @@ def _first_difference(first: Sequence[Tensor], second: Sequence[Tensor],
     return None
 
 
+def _state_changed(saved: SavedState, tensors: Sequence[Tensor]) -> Optional[str]:
+    """The first of ``tensors`` whose storage differs from its copy in ``saved``: state with
+    no dim of the bucket's size (not one row per batch row, as a bucket's KV cache is) that
+    the pad rows reached."""
+    copies = {storage.data_ptr(): before for storage, before in saved.storages}
+    for t in tensors:
+        before = copies.get(t.untyped_storage().data_ptr())
+        if before is not None and not _same_bytes(t.untyped_storage(), before):
+            return f"a tensor of shape {list(t.shape)}"
+    return None
+
+
+def _same_bytes(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> bool:
+    device = storage.device
+    return torch.equal(torch.empty(0, dtype=torch.uint8, device=device).set_(storage),
+                       torch.empty(0, dtype=torch.uint8, device=device).set_(other))
+
+
 def mixes_rows(replay: Callable[[], Sequence[Tensor]],
                padded: Sequence[Tuple[Tensor, int]], rows: int,
                written: Sequence[Tensor], first: Sequence[Tensor],
-               dims: Sequence[Tuple[int, ...]], before: Optional[SavedState] = None
-               ) -> Optional[str]:
+               dims: Sequence[Tuple[int, ...]], before: Optional[SavedState] = None,
+               shared: Sequence[Tensor] = ()) -> Optional[str]:
     """Why the graph's real rows depend on its pad rows, or None.
 
     ``replay`` replays the graph and returns its owned outputs (its own buffers); ``padded``
@@ -88,7 +106,8 @@ def mixes_rows(replay: Callable[[], Sequence[Tensor]],
     ``first`` copies of the owned outputs of the call's own replay; ``dims`` per output, those
     that follow the batch; ``before`` the inputs, the written state and the generators as
     they were before that replay (a function that writes its state, or draws random numbers,
-    must see them as the first replay did).
+    must see them as the first replay did); ``shared`` the written state that is no argument
+    (a module's running mean): one with no dim of the bucket's size must not change either.
     """
     if not padded or all(static.shape[dim] <= rows for static, dim in padded):
         return None
@@ -101,10 +120,17 @@ def mixes_rows(replay: Callable[[], Sequence[Tensor]],
                 _fill_pad_with_real_rows(static, dim, rows)
         second = replay()
         changed = _first_difference(first, second, dims, rows)
+        bucket = padded[0][0].shape[padded[0][1]]
+        state = _state_changed(after, [t for t in shared if bucket not in t.shape])
     finally:
         after.restore()
-    if changed is None:
+    if changed is None and state is None:
         return None
+    if changed is None:
+        return (f"state it writes ({state}) changed when the pad rows did: it counts the pad "
+                f"rows (a running mean or a count over the batch), so every call would drift "
+                f"it; pass the state each bucket has its own of as an argument, or leave the "
+                f"function out of buckets=")
     return (f"output {changed} (its real rows) changed when the pad rows did: it mixes rows "
             f"of the batch (a mean or sum over it, batch statistics such as BatchNorm in "
             f"training, attention across rows), so the padding would change its result")

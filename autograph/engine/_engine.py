@@ -179,7 +179,7 @@ class Engine:
         return route
 
     def _new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
-                  options: Options, reason: Optional[str]) -> KeyLife:
+                  options: Options, reason: Optional[str], ahead: bool = False) -> KeyLife:
         resized = {} if c.padding is None else {
             id(t): c.padding.padded_shape(t, i) for i, t in enumerate(c.tensors)}
         parts = describe_parts(c.names, c.args, c.kwargs, resized)
@@ -201,7 +201,7 @@ class Engine:
         life.trains = reason is None and _needs_gradients(c.tensors, c.instance)
         if reason is not None:
             life.fall_back(reason, warn=loud, strict=loud)
-        else:
+        elif not ahead:  # capture()'s keys are the user's choice, never churn
             self._note_new_key(cache, life)
         return life
 
@@ -218,7 +218,7 @@ class Engine:
     def new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
                  options: Options) -> KeyLife:
         """A new key for ``capture()`` (``_ahead``)."""
-        return self._new_life(cache, key, c, identities, options, None)
+        return self._new_life(cache, key, c, identities, options, None, ahead=True)
 
     def call_options(self, instance: Any, region: Any
                      ) -> Tuple[Options, KeyCache, List[str], tuple]:

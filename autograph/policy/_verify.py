@@ -91,25 +91,25 @@ class EagerRun(UndoWrites):
             self.dtypes.setdefault(tensor.untyped_storage()._cdata, tensor.dtype)
         return super().before(func, args, kwargs, tensors)
 
-    def take_back(self) -> List[Tuple[Any, torch.dtype, Any]]:
-        """Restore the state and generators; return (storage, dtype, contents after the run)
-        for every storage the run wrote."""
+    def take_back(self) -> List[Tuple[Any, torch.dtype, Any, Any]]:
+        """Restore the state and generators; return (storage, dtype, contents after the run,
+        contents before it) for every storage the run wrote: a loose check measures the
+        replay's error against what the call changed, not against the accumulated value."""
         written = []
         with torch.no_grad():
             for key in list(self.saved):
-                # Popped one at a time: each copy from before is freed before the next
-                # storage is cloned, so the check holds about one extra copy of the state.
                 storage, before = self.saved.pop(key)
-                written.append((storage, self.dtypes.get(key, torch.uint8), storage.clone()))
+                written.append((storage, self.dtypes.get(key, torch.uint8), storage.clone(),
+                                before))
                 storage.copy_(before)
         self.generators_after = [(g, g.get_state()) for g, _ in self.generators]
         self.restore()
         return written
 
-    def redo(self, written: List[Tuple[Any, torch.dtype, Any]]) -> None:
+    def redo(self, written: List[Tuple[Any, torch.dtype, Any, Any]]) -> None:
         """Put the eager run's writes and generator states back."""
         with torch.no_grad():
-            for storage, _, after in written:
+            for storage, _, after, _ in written:
                 storage.copy_(after)
         for generator, state in self.generators_after:
             generator.set_state(state)
@@ -145,9 +145,13 @@ def _snapshot(value: Any) -> Any:
 _LOOSE = (1e-2, 1e-3)
 
 
-def _error(expected: Tensor, actual: Tensor, loose: bool = False) -> Optional[str]:
+def _error(expected: Tensor, actual: Tensor, loose: bool = False,
+           before: Optional[Tensor] = None) -> Optional[str]:
     """How ``actual`` differs from ``expected`` (same shape and dtype), or None if it is
-    within the dtype's tolerance (``loose``: at least ``_LOOSE``'s)."""
+    within the dtype's tolerance (``loose``: at least ``_LOOSE``'s). ``before``: state as it
+    was before the call, for a loose check, whose relative part then scales with what the
+    call changed (a running mean of 100 moved by 0.1 with 25% of it wrong is wrong) plus the
+    dtype's own rtol of the value (rounding)."""
     with torch.no_grad():
         if expected.layout is not torch.strided:
             expected, actual = expected.to_dense(), actual.to_dense()
@@ -169,13 +173,17 @@ def _error(expected: Tensor, actual: Tensor, loose: bool = False) -> Optional[st
                 torch.float64 if dtype == torch.float64 else torch.float32)
         e, a = expected.to(wide), actual.to(wide)
         error = (a - e).abs()
-        bad = ~(error <= atol + rtol * e.abs()) & (a != e) & ~(a.isnan() & e.isnan())
+        scale = rtol * e.abs()
+        if loose and before is not None:
+            scale = rtol * (e - before.to(wide)).abs() + tolerance(dtype)[0] * e.abs()
+        bad = ~(error <= atol + scale) & (a != e) & ~(a.isnan() & e.isnan())
         count = int(bad.sum())
         if not count:
             return None
         worst = float(error[bad].max())
+        of = " of what the call changed" if loose and before is not None else ""
         return (f"max abs error {'nan' if math.isnan(worst) else f'{worst:.3g}'} in {count} "
-                f"of {bad.numel()} elements (tolerance rtol={rtol:g}, atol={atol:g})")
+                f"of {bad.numel()} elements (tolerance rtol={rtol:g}{of}, atol={atol:g})")
 
 
 def _difference(path: str, expected: Any, actual: Any, loose: bool) -> Optional[str]:
@@ -224,11 +232,11 @@ def _as_tensor(storage: Any, dtype: torch.dtype) -> Tensor:
             storage, 0, (storage.nbytes() // size,), (1,))
 
 
-def _first_state_difference(written: List[Tuple[Any, torch.dtype, Any]], roots: Roots,
+def _first_state_difference(written: List[Tuple[Any, torch.dtype, Any, Any]], roots: Roots,
                             loose: bool = False) -> Optional[str]:
-    for storage, dtype, after in written:
+    for storage, dtype, after, before in written:
         replayed = _as_tensor(storage, dtype)
-        error = _error(_as_tensor(after, dtype), replayed, loose)
+        error = _error(_as_tensor(after, dtype), replayed, loose, _as_tensor(before, dtype))
         if error is not None:
             name = Survey(roots()).name(replayed)
             return f"{name}, which the call writes, holds other values after the replay: {error}"
