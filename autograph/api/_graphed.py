@@ -252,7 +252,8 @@ def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.
                            f"{type(module).__name__}.forward", bound=False)
     # On the instance itself: a traced module's __setattr__ would set it on the script
     # module inside, where stats(module) and regions would not find it.
-    torch.nn.Module.__setattr__(module, "forward", GraphedForward(module, forward, options))
+    graphed_forward = GraphedForward(module, forward, options)
+    torch.nn.Module.__setattr__(module, "forward", graphed_forward)  # type: ignore[arg-type]
     return module
 
 
