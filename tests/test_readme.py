@@ -72,7 +72,9 @@ def test_the_quick_start_runs_as_written_and_says_what_happened(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "CHECK graphed 4 eager" in done.stdout
+    # On a GPU the payoff check times one of the calls after capture eagerly: 3 or 4 replays.
+    checked = re.search(r"CHECK graphed ([34]) eager", done.stdout)
+    assert checked, done.stdout
     assert "Sequential" in done.stdout and "normalise" in done.stdout     # report()'s table
     assert "normalise(x: f32[32, 10]" in done.stderr and ".item() at quick_start.py:" in done.stderr
 

@@ -193,7 +193,8 @@ def test_strict_mode_raises_capture_error_with_the_message():
     x = torch.randn(8, device="cuda")
     assert torch.equal(graphed(x), item(x))      # the warmup runs as written
     with pytest.raises(autograph.CaptureError,
-                       match=r"runs eagerly: \.item\(\) at test_guard_cuda"):
+                       match=r"strict mode raises instead of running it eagerly: \.item\(\) at "
+                             r"test_guard_cuda"):
         graphed(x)                               # the capture finds it
 
 

@@ -30,6 +30,13 @@ def grads(*modules):
             for m in modules for p in m.parameters()]
 
 
+def close(a, b):
+    return len(a) == len(b) and all((x is None and y is None) or
+                                    (x is not None and y is not None and
+                                     torch.allclose(x, y, rtol=1e-5, atol=1e-6))
+                                    for x, y in zip(a, b))
+
+
 def same(a, b):
     return len(a) == len(b) and all((x is None and y is None) or
                                     (x is not None and y is not None and torch.equal(x, y))
@@ -193,7 +200,8 @@ def test_ema_weights_swapped_in_with_data_are_used_by_training_replays(device):
             out = m(x)
             out.sum().backward()
         assert torch.equal(model(x).detach(), twin(x).detach()), step
-        assert same(grads(model), grads(twin)), step
+        # A captured backward may pick other kernels than eager's on a GPU: equal to rounding.
+        assert close(grads(model), grads(twin)), step
     rows = [(s.state, s.replays) for s in autograph.stats(model)]
     assert len(rows) == 1 and rows[0][0] == "graphed" and rows[0][1] >= 4
 
