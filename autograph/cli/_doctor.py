@@ -99,7 +99,7 @@ def torch_features() -> str:
         ("a compiled function compiles once under autograph", "2.10", at_least(2, 10),
          "it compiles again per stack of dispatch modes (the warmup's, the capture's)"),
         ("weak references to generators", "2.12", generators_weak,
-         "a generator rebound after capture goes unseen (README, Limits)"),
+         "a generator rebound after capture goes unseen (docs/guide/limits.md)"),
         ("a failed capture resets the default generator", "2.12", at_least(2, 12),
          "autograph resets it with one empty capture"),
         ("a failed capture ends its pool's routing", "2.14", at_least(2, 14),
