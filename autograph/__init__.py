@@ -20,6 +20,7 @@ from .api._per_bucket import per_bucket
 from .api._region import Region, RegionStats, region
 from .api._report import report, reset, stats
 from ._stats import KeyStats
+from .buckets._suggest import BucketSuggestion
 from .policy._verify import VERIFY_TOLERANCES
 
 __version__ = "0.2.0.dev0"
@@ -27,6 +28,7 @@ __version__ = "0.2.0.dev0"
 __all__ = [
     "AutographWarning",
     "BoundGraphedFunction",
+    "BucketSuggestion",
     "CaptureError",
     "GraphedForward",
     "GraphedFunction",

@@ -26,7 +26,8 @@ class KeyStats:
     memory its pool took. Graphs of one function (or one region) share a pool, captured
     largest first a later graph reuses the earlier ones' blocks and adds little, so the sum
     over a function's keys is the memory its graphs hold. ``bucket`` and ``sizes`` (calls
-    by their real size) are set for bucketed keys; ``padding_waste`` follows from them.
+    by their real size) are set for bucketed keys; ``real_rows``, ``padded_rows``,
+    ``padding_share`` (pad rows over all rows run) and ``padding_waste`` follow from them.
     ``verified`` counts the replays that verify mode checked against an eager run and found
     equal. ``gain`` is eager's time over the replay's as measured on the GPU clock after
     capture (``check_payoff``): 1.8 means the graph runs 1.8x as fast; below 1 the key went
@@ -48,6 +49,25 @@ class KeyStats:
     gain: Optional[float] = None  # eager time / replay time, measured after capture
 
     @property
+    def real_rows(self) -> Optional[int]:
+        """A bucket's rows asked for by its calls, summed over its calls."""
+        return None if not self.sizes else sum(size * n for size, n in self.sizes.items())
+
+    @property
+    def padded_rows(self) -> Optional[int]:
+        """A bucket's pad rows, summed over its calls: the bucket's size less each call's."""
+        if not self.sizes or not self.bucket:
+            return None
+        return sum((self.bucket - size) * n for size, n in self.sizes.items())
+
+    @property
+    def padding_share(self) -> Optional[float]:
+        """The share of a bucket's rows that were padding: 0.2 means a fifth of the rows the
+        GPU ran for its calls were pad rows."""
+        padded, real = self.padded_rows, self.real_rows
+        return None if padded is None or real is None else padded / (padded + real)
+
+    @property
     def padding_waste(self) -> Optional[float]:
         """Padding rows over real rows, for a bucket: 0.25 means a quarter more rows ran."""
         if not self.sizes or not self.bucket:
@@ -67,6 +87,14 @@ def register(engine: Any) -> None:
 def engines() -> List[Any]:
     """Every live engine."""
     return list(_engines)
+
+
+def _padding(row: KeyStats) -> str:
+    """A bucket's pad rows as a share of the rows it ran, and the counts: ``20% 3/15``."""
+    if row.padded_rows is None or row.real_rows is None:
+        return ""
+    ran = row.padded_rows + row.real_rows
+    return f"{row.padded_rows / ran:.0%} {row.padded_rows}/{ran}"
 
 
 def _mib(n: int) -> str:
@@ -112,7 +140,7 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
          "" if r.gain is None else f"{r.gain:.2f}x",
          "" if r.capture_seconds is None else f"{r.capture_seconds * 1e3:.1f}",
          _mib(r.graph_bytes) if r.graph_bytes else "",
-         "" if r.padding_waste is None else f"{r.padding_waste:.0%}",
+         _padding(r),
          r.fallback_reason or ""]
         for r in rows
     ]

@@ -29,6 +29,7 @@ from .. import _config
 from .._config import Options, check_option_names, check_static_arguments
 from ..engine._engine import Engine, _dynamo_callback, _is_compiling
 from .._stats import KeyStats
+from ..buckets._suggest import BucketSuggestion, suggest
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,6 +69,15 @@ class GraphedFunction(wrapt.FunctionWrapper):
         """Drop this function's graphs and give their memory back; later calls start over."""
         self._self_engine.reset()
 
+    def suggest_buckets(self, max_graphs: int) -> BucketSuggestion:
+        """The capture sizes, at most ``max_graphs``, that would have padded the fewest rows
+        for the batch sizes this function's bucketed calls had; with the padding share.
+
+        >>> step.suggest_buckets(max_graphs=4).buckets     # e.g. [3, 8, 17, 32]
+        """
+        return suggest(self.stats(), self._self_engine.options.buckets or (), max_graphs,
+                       self._self_engine.name)
+
     def __copy__(self) -> "GraphedFunction":
         """The same function graphed anew, with the same options and no graphs.
 
@@ -94,6 +104,9 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
 
     def reset(self) -> None:
         self._self_parent.reset()
+
+    def suggest_buckets(self, max_graphs: int) -> BucketSuggestion:
+        return self._self_parent.suggest_buckets(max_graphs)
 
 
 # wrapt reads the bound wrapper's class from this attribute (it has no constructor argument).
@@ -197,6 +210,11 @@ class GraphedForward:
     def reset(self) -> None:
         """Drop this module's graphs and give their memory back."""
         self._self_engine.reset()
+
+    def suggest_buckets(self, max_graphs: int) -> BucketSuggestion:
+        """See ``GraphedFunction.suggest_buckets``: from this module's bucketed calls."""
+        return suggest(self.stats(), self._self_engine.options.buckets or (), max_graphs,
+                       self._self_engine.name)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphedForward":
         """The forward of a module's deep copy (an EMA model), graphed anew: same options,
