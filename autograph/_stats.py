@@ -31,7 +31,8 @@ class KeyStats:
     ``verified`` counts the replays that verify mode checked against an eager run and found
     equal. ``gain`` is eager's time over the replay's as measured on the GPU clock after
     capture (``check_payoff``): 1.8 means the graph runs 1.8x as fast; below 1 the key went
-    eager. Every field is a plain value: ``dataclasses.asdict(row)`` is JSON-ready.
+    eager. ``evictions`` counts its graphs dropped to keep its function's (or region's) graphs
+    within ``max_graph_memory``. Every field is a plain value: ``dataclasses.asdict(row)`` is JSON-ready.
     """
 
     function: str
@@ -47,6 +48,7 @@ class KeyStats:
     sizes: Optional[Dict[int, int]] = None  # bucketed keys: calls by their real size
     verified: int = 0  # replays checked against an eager run (verify=n) and found equal
     gain: Optional[float] = None  # eager time / replay time, measured after capture
+    evictions: int = 0  # its graphs dropped to keep within max_graph_memory
 
     @property
     def real_rows(self) -> Optional[int]:
@@ -130,22 +132,23 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
     it, columns empty in every row are left out and, if the table is still wider, each
     fallback reason goes on wrapped lines under its row and long keys wrap in their column.
     The ``verified`` column appears once verify mode checked a replay, ``gain`` once a key's
-    payoff was measured.
+    payoff was measured, ``evicted`` once ``max_graph_memory`` dropped a graph.
     """
     header = ["function", "key", "state", "calls", "replays", "verified", "eager", "gain",
-              "capture ms", "MiB", "padding", "fallback reason"]
+              "capture ms", "MiB", "evicted", "padding", "fallback reason"]
     body = [
         [r.function, r.key, r.state, str(r.calls), str(r.replays),
          str(r.verified) if r.verified else "", str(r.eager_calls),
          "" if r.gain is None else f"{r.gain:.2f}x",
          "" if r.capture_seconds is None else f"{r.capture_seconds * 1e3:.1f}",
          _mib(r.graph_bytes) if r.graph_bytes else "",
+         str(r.evictions) if r.evictions else "",
          _padding(r),
          r.fallback_reason or ""]
         for r in rows
     ]
-    optional = {"verified", "gain"} if width is None else {
-        "verified", "gain", "capture ms", "MiB", "padding", "fallback reason"}
+    optional = {"verified", "gain", "evicted"} if width is None else {
+        "verified", "gain", "capture ms", "MiB", "evicted", "padding", "fallback reason"}
     keep = [i for i, name in enumerate(header)
             if name not in optional or any(line[i] for line in body)]
     header, body = [header[i] for i in keep], [[line[i] for i in keep] for line in body]
@@ -167,3 +170,13 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
                                    initial_indent=_INDENT, subsequent_indent=_INDENT,
                                    break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def memory_lines(rows: List[KeyStats]) -> List[str]:
+    """Per function, the memory its live graphs hold together (their pool's share)."""
+    held: Dict[str, List[int]] = {}
+    for r in rows:
+        if r.graph_bytes:
+            held.setdefault(r.function, []).append(r.graph_bytes)
+    return [f"{name}: {len(sizes)} graph(s) hold {_mib(sum(sizes))} MiB"
+            for name, sizes in held.items()]

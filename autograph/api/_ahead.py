@@ -31,6 +31,7 @@ from ..capture._graph import Graph
 from ..capture._keys import call_key
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
+from ..policy._memory_budget import within_budget
 from ..watch._python_state import PythonState, per_call_reason
 from ..watch._reads import storage_ptr
 from .._scope import current_region, nested_calls
@@ -136,7 +137,7 @@ def _capture_key(life: KeyLife, c: Call, watched: Dict[int, KeyLife]) -> None:
     graph.watch_reads()
     if graph.invalid_reason is None:
         life.adopt(graph)
-        if family is not None:
+        if within_budget(life, c) and family is not None:
             watched.setdefault(family, life)
 
 

@@ -19,7 +19,7 @@ import itertools
 import threading
 import weakref
 from types import MethodType
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, cast, overload
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, Union, cast, overload
 
 import torch
 import wrapt
@@ -280,7 +280,8 @@ def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
             bucket_args: Optional[Dict[str, Any]] = ...,
             static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
             bucket_outputs: Any = ..., verify: Optional[int] = ..., islands: bool = ...,
-            check_payoff: bool = ...) -> Callable[[F], F]: ...
+            check_payoff: bool = ...,
+            max_graph_memory: Optional[Union[int, str]] = ...) -> Callable[[F], F]: ...
 
 
 def graphed(fn: Any = None, /, **options: Any) -> Any:
@@ -292,6 +293,7 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     >>> @autograph.graphed(warmup=2, outputs="static")
     ... def decode(ids, pos): ...
     >>> model = autograph.graphed(model)      # same module; its forward is graphed
+    >>> serve = autograph.graphed(decode, buckets=[1, 2, 4, 8], max_graph_memory="512MiB")
 
     Options: ``warmup`` (eager calls per key before capture, >= 1, default 1), ``outputs``
     (``"copy"``: the caller owns the outputs, the default; ``"static"``: the graph's buffers,
@@ -304,7 +306,9 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     default from ``AUTOGRAPH_VERIFY``), ``islands`` (a key that runs eagerly still graphs the
     module calls inside it, as a region does; default True), ``check_payoff`` (on CUDA, a
     key's first calls after capture time its replay against its eager run, and a graph that
-    does not beat eager is dropped, said once; default True). Options set here win over those
+    does not beat eager is dropped, said once; default True), ``max_graph_memory`` (bytes, or
+    ``"512MiB"``: past it the least recently replayed graphs are dropped first; default None).
+    Options set here win over those
     of an enclosing ``autograph.region``. See the README's Options table.
     """
     check_option_names(options, "autograph.graphed")

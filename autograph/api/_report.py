@@ -83,13 +83,15 @@ def report(target: Any = None, file: Optional[TextIO] = None) -> None:
     >>> autograph.report(model)
 
     On a terminal, long keys and fallback reasons wrap to its width; elsewhere (a file, a
-    pipe) each key is one line. ``stats()`` has the same rows as dataclasses.
+    pipe) each key is one line. A last line per function with graphs gives the memory they
+    hold together (``graph_bytes`` summed: their share of the pool they were captured into).
+    ``stats()`` has the same rows as dataclasses.
     """
     rows = stats(target)
     file = file or sys.stdout
     isatty = getattr(file, "isatty", None)
     width = shutil.get_terminal_size().columns if isatty is not None and isatty() else None
-    text = (_stats.format_table(rows, width) if rows
+    text = ("\n".join([_stats.format_table(rows, width), *_stats.memory_lines(rows)]) if rows
             else "autograph: no graphed function has been called.")
     print(text, file=file)
 

@@ -206,7 +206,8 @@ def test_report_of_a_module_in_one_call_whichever_way_it_was_graphed(device, cap
         autograph.report(module)
         lines = capsys.readouterr().out.splitlines()
         name = autograph.stats(module)[0].function
-        assert len(lines) == 3 and lines[2].startswith(name) and " graphed " in lines[2]
+        assert len(lines) == 4 and lines[2].startswith(name) and " graphed " in lines[2]
+        assert lines[3].startswith(f"{name}: 1 graph(s) hold ")  # the memory its graphs hold
 
 
 def test_report_of_an_unknown_target_says_what_it_takes():
