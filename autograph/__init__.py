@@ -22,6 +22,7 @@ from .api._per_bucket import per_bucket
 from .api._region import Region, RegionStats, region
 from .api._report import report, reset, stats
 from ._stats import KeyStats
+from .buckets._suggest import BucketSuggestion
 from .generate import generate
 from .policy._verify import VERIFY_TOLERANCES
 
@@ -30,6 +31,7 @@ __version__ = "0.2.0.dev0"
 __all__ = [
     "AutographWarning",
     "BoundGraphedFunction",
+    "BucketSuggestion",
     "CaptureError",
     "GraphedForward",
     "GraphedFunction",

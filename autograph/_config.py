@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
@@ -123,6 +124,7 @@ class Options:
     verify: Optional[int] = None
     islands: bool = True
     check_payoff: bool = True
+    max_graph_memory: Optional[int] = None  # bytes; given as an int or "512MiB"
 
     def __post_init__(self) -> None:
         # Stored hashable and normalised: options are part of a key inside regions.
@@ -132,6 +134,7 @@ class Options:
         set_("bucket_outputs", _bucket_outputs(self.bucket_outputs))
         set_("static_argnames", _names(self.static_argnames, "static_argnames"))
         set_("static_argnums", _numbers(self.static_argnums, "static_argnums"))
+        set_("max_graph_memory", _bytes(self.max_graph_memory))
         if self.verify is not None and (isinstance(self.verify, bool)
                                         or not isinstance(self.verify, int) or self.verify < 0):
             raise ValueError(f"verify={self.verify!r}: it must be an int >= 0, the number of "
@@ -181,6 +184,26 @@ class Options:
     @property
     def by_address(self) -> bool:
         return bool(self.static_argnames or self.static_argnums)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _bytes(value: Any) -> Optional[int]:
+    """``max_graph_memory``: None, an int of bytes >= 0, or a string such as "512MiB", "1.5GB"."""
+    if value is None:
+        return None
+    number, unit = value, ""
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        number, unit = (float(match.group(1)), match.group(2).upper()) if match else (None, "?")
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0 \
+            or unit not in _UNITS:
+        raise ValueError(f"max_graph_memory={value!r}: give a number of bytes >= 0, or a string "
+                         f"with a unit, e.g. max_graph_memory=\"512MiB\" or \"2GB\" (units: "
+                         f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).")
+    return int(number * _UNITS[unit])
 
 
 def _buckets(value: Any) -> Optional[Tuple[int, ...]]:

@@ -26,13 +26,16 @@ class KeyStats:
     memory its pool took. Graphs of one function (or one region) share a pool, captured
     largest first a later graph reuses the earlier ones' blocks and adds little, so the sum
     over a function's keys is the memory its graphs hold. ``bucket`` and ``sizes`` (calls
-    by their real size) are set for bucketed keys; ``padding_waste`` follows from them.
+    by their real size) are set for bucketed keys; ``real_rows``, ``padded_rows``,
+    ``padding_share`` (pad rows over all rows run) and ``padding_waste`` follow from them.
     ``verified`` counts the replays that verify mode checked against an eager run and found
     equal. ``gain`` is eager's time over the replay's as measured on the GPU clock after
     capture (``check_payoff``): 1.8 means the graph runs 1.8x as fast; below 1 the key went
     eager. ``emulated`` is True for a key graphed by the CPU emulation of CUDA graphs
-    (``autograph.testing``), whose capture time and memory mean nothing. Every field is a
-    plain value: ``dataclasses.asdict(row)`` is JSON-ready.
+    (``autograph.testing``), whose capture time and memory mean nothing. ``evictions`` counts
+    its graphs dropped to keep its function's (or region's) graphs within
+    ``max_graph_memory``. Every field is a plain value: ``dataclasses.asdict(row)`` is
+    JSON-ready.
     """
 
     function: str
@@ -49,6 +52,26 @@ class KeyStats:
     verified: int = 0  # replays checked against an eager run (verify=n) and found equal
     gain: Optional[float] = None  # eager time / replay time, measured after capture
     emulated: bool = False  # graphed by the CPU emulation: its timings and memory mean nothing
+    evictions: int = 0  # its graphs dropped to keep within max_graph_memory
+
+    @property
+    def real_rows(self) -> Optional[int]:
+        """A bucket's rows asked for by its calls, summed over its calls."""
+        return None if not self.sizes else sum(size * n for size, n in self.sizes.items())
+
+    @property
+    def padded_rows(self) -> Optional[int]:
+        """A bucket's pad rows, summed over its calls: the bucket's size less each call's."""
+        if not self.sizes or not self.bucket:
+            return None
+        return sum((self.bucket - size) * n for size, n in self.sizes.items())
+
+    @property
+    def padding_share(self) -> Optional[float]:
+        """The share of a bucket's rows that were padding: 0.2 means a fifth of the rows the
+        GPU ran for its calls were pad rows."""
+        padded, real = self.padded_rows, self.real_rows
+        return None if padded is None or real is None else padded / (padded + real)
 
     @property
     def padding_waste(self) -> Optional[float]:
@@ -70,6 +93,14 @@ def register(engine: Any) -> None:
 def engines() -> List[Any]:
     """Every live engine."""
     return list(_engines)
+
+
+def _padding(row: KeyStats) -> str:
+    """A bucket's pad rows as a share of the rows it ran, and the counts: ``20% 3/15``."""
+    if row.padded_rows is None or row.real_rows is None:
+        return ""
+    ran = row.padded_rows + row.real_rows
+    return f"{row.padded_rows / ran:.0%} {row.padded_rows}/{ran}"
 
 
 def _mib(n: int) -> str:
@@ -105,22 +136,23 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
     it, columns empty in every row are left out and, if the table is still wider, each
     fallback reason goes on wrapped lines under its row and long keys wrap in their column.
     The ``verified`` column appears once verify mode checked a replay, ``gain`` once a key's
-    payoff was measured.
+    payoff was measured, ``evicted`` once ``max_graph_memory`` dropped a graph.
     """
     header = ["function", "key", "state", "calls", "replays", "verified", "eager", "gain",
-              "capture ms", "MiB", "padding", "fallback reason"]
+              "capture ms", "MiB", "evicted", "padding", "fallback reason"]
     body = [
         [r.function, r.key, r.state, str(r.calls), str(r.replays),
          str(r.verified) if r.verified else "", str(r.eager_calls),
          "" if r.gain is None else f"{r.gain:.2f}x",
          "" if r.capture_seconds is None else f"{r.capture_seconds * 1e3:.1f}",
          _mib(r.graph_bytes) if r.graph_bytes else "",
-         "" if r.padding_waste is None else f"{r.padding_waste:.0%}",
+         str(r.evictions) if r.evictions else "",
+         _padding(r),
          r.fallback_reason or ""]
         for r in rows
     ]
-    optional = {"verified", "gain"} if width is None else {
-        "verified", "gain", "capture ms", "MiB", "padding", "fallback reason"}
+    optional = {"verified", "gain", "evicted"} if width is None else {
+        "verified", "gain", "capture ms", "MiB", "evicted", "padding", "fallback reason"}
     keep = [i for i, name in enumerate(header)
             if name not in optional or any(line[i] for line in body)]
     header, body = [header[i] for i in keep], [[line[i] for i in keep] for line in body]
@@ -142,3 +174,13 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
                                    initial_indent=_INDENT, subsequent_indent=_INDENT,
                                    break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def memory_lines(rows: List[KeyStats]) -> List[str]:
+    """Per function, the memory its live graphs hold together (their pool's share)."""
+    held: Dict[str, List[int]] = {}
+    for r in rows:
+        if r.graph_bytes:
+            held.setdefault(r.function, []).append(r.graph_bytes)
+    return [f"{name}: {len(sizes)} graph(s) hold {_mib(sum(sizes))} MiB"
+            for name, sizes in held.items()]

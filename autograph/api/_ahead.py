@@ -13,21 +13,27 @@ holds its own of (a KV cache per bucket) is given as ``autograph.per_bucket(cach
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple, cast
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 
 from .. import _config
-from ..buckets._bucket_runs import note_capture
+from ..backends._collector import collector_paused
+from ..buckets._bucket_runs import note_capture, run_call
 from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
 from .._config import Options, logger
 from ..engine._key_cache import KeyCache
 from ..engine._key_life import CAPTURE, EAGER, GRAPHED, WARMUP, Call, KeyLife
+from ..capture._graph import Graph
 from ..capture._keys import call_key
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
+from ..policy._memory_budget import within_budget
 from ..watch._python_state import PythonState, per_call_reason
+from ..watch._reads import storage_ptr
 from .._scope import current_region, nested_calls
 from .._stats import KeyStats
 from ..watch._undo import UndoWrites
@@ -47,40 +53,57 @@ def capture_ahead(engine: Any, call: Callable, instance: Any, args: tuple, kwarg
     examples: List[Tuple[tuple, dict, Optional[Padding]]] = [(args, kwargs, None)]
     if options.buckets is not None:
         examples = _bucket_examples(engine.name, options, names, args, kwargs, state, cache)
-    rows = []
+    rows: List[KeyStats] = []
     started = time.perf_counter()
-    for example_args, example_kwargs, padding in progress(examples,
-                                                          f"capturing {engine.name}"):
-        keyed = call_key(example_args, example_kwargs, state, names, options.static_argnames,
-                         options.static_argnums)
-        key = keyed.key
-        if padding is not None:
-            # The example's own choice of padded tensors at every size (the default rule
-            # could add one whose dim happens to equal a bucket), as real calls make it.
-            key = bucket_key(example_args, example_kwargs, state, names,
-                             options.static_argnames, options.static_argnums, padding)
-        if options is not engine.options and options != engine.options:
-            key = (key, options)
-        with cache.lock:
-            if cache.dead_keys:
-                cache.forget_dead()
-            c = Call(call, instance, example_args, example_kwargs, names, keyed.tensors,
-                     keyed.addressed, padding, region, cache, state)
-            life = cache.entries.get(key) or engine.new_life(cache, key, c, keyed.identities,
-                                                             options)
-            _capture_key(life, c)
-            rows.append(life.stats())
+    # No collection between the captures, and the objects made before not scanned by any
+    # (docs/design.md, "Capture ahead"): a scan of the process per capture frees next to nothing.
+    watched: Dict[int, KeyLife] = {}  # by family (its BatchShapes): its key watched first
+    with collector_paused():
+        for example in progress(examples, f"capturing {engine.name}"):
+            rows.append(_capture_example(engine, call, instance, example, options, cache,
+                                         names, state, region, watched))
     captured = [r for r in rows if r.state == GRAPHED]
     logger.info("%s: captured %d graph(s) in %.2f s, %.1f MiB", engine.name, len(captured),
                 time.perf_counter() - started, sum(r.graph_bytes for r in captured) / 2**20)
     return rows
 
 
-def _capture_key(life: KeyLife, c: Call) -> None:
-    """Warm ``life``'s key up and take the warmups' effects back, then capture it."""
+def _capture_example(engine: Any, call: Callable, instance: Any,
+                     example: Tuple[tuple, dict, Optional[Padding]], options: Options,
+                     cache: KeyCache, names: List[str], state: tuple, region: Any,
+                     watched: Dict[int, KeyLife]) -> KeyStats:
+    """Key one example call as a real call would be keyed, and capture that key."""
+    example_args, example_kwargs, padding = example
+    keyed = call_key(example_args, example_kwargs, state, names, options.static_argnames,
+                     options.static_argnums)
+    key = keyed.key
+    if padding is not None:
+        # The example's own choice of padded tensors at every size (the default rule
+        # could add one whose dim happens to equal a bucket), as real calls make it.
+        key = bucket_key(example_args, example_kwargs, state, names,
+                         options.static_argnames, options.static_argnums, padding)
+    if options is not engine.options and options != engine.options:
+        key = (key, options)
+    with cache.lock:
+        if cache.dead_keys:
+            cache.forget_dead()
+        c = Call(call, instance, example_args, example_kwargs, names, keyed.tensors,
+                 keyed.addressed, padding, region, cache, state)
+        life = cache.entries.get(key) or engine.new_life(cache, key, c, keyed.identities,
+                                                         options)
+        _capture_key(life, c, watched)
+        return life.stats()
+
+
+def _capture_key(life: KeyLife, c: Call, watched: Dict[int, KeyLife]) -> None:
+    """Warm ``life``'s key up and take the warmups' effects back, then capture it. A later
+    bucket of a family in ``watched`` runs its last warmup unwatched (docs/design.md,
+    "Capture ahead")."""
     if life.graph is not None or life.phase not in (WARMUP, CAPTURE) \
             or c.cache.past_max_graphs(life):
         return
+    family = None if c.padding is None else id(c.padding.shapes)
+    like = watched.get(family) if family is not None else None
     roots = life.function.roots(c)
     before = PythonState.of(roots, life.function.fn, restorable=True)
     try:
@@ -90,7 +113,10 @@ def _capture_key(life: KeyLife, c: Call) -> None:
                 while life.warmups < life.options.warmup - 1:
                     c.call(*c.args, **c.kwargs)
                     life.warmups += 1
-                life.watched_warmup(c)
+                if like is None:
+                    life.watched_warmup(c)
+                else:
+                    _plain_warmup(life, c, like)
         finally:
             undo.restore()
         if life.phase == EAGER:  # refused by its warmup (outputs that cannot be sliced back)
@@ -111,9 +137,36 @@ def _capture_key(life: KeyLife, c: Call) -> None:
         graph.release()
         _refuse_graph(life, changes, made)
         return
+    if like is not None:
+        _learn_from_capture(life, c, graph)
     graph.watch_reads()
     if graph.invalid_reason is None:
         life.adopt(graph, c)
+        if within_budget(life, c) and family is not None:
+            watched.setdefault(family, life)
+
+
+def _plain_warmup(life: KeyLife, c: Call, like: KeyLife) -> None:
+    """The last warmup run unwatched, for a later bucket of a family whose key ``like`` was
+    watched in the same ``capture()`` (docs/design.md, "Capture ahead"): what the watch learns
+    of the code (libraries, generators, collectives) is ``like``'s; what it learns of the
+    state is taken from this key's capture (``_learn_from_capture``)."""
+    run_call(life, c)
+    life.warmups += 1
+    life.uses_cudnn, life.generators, life.groups = like.uses_cudnn, like.generators, like.groups
+    life.trains, life.warmup_thread = like.trains, threading.get_ident()
+
+
+def _learn_from_capture(life: KeyLife, c: Call, graph: Graph) -> None:
+    """What an unwatched warmup did not note, from the capture's own watch of the same ops at
+    the same size: the arguments and the state it writes, the state it uses by address."""
+    life.written = list(graph.mutated)
+    external = graph.watched_external()
+    life.by_address = {ptr: weakref.ref(t.untyped_storage()) for ptr, t in external.items()}
+    written = graph.written_storages
+    life.state_written = [c.tensors[i] for i in c.addressed
+                          if storage_ptr(c.tensors[i]) in written] + [
+        t for ptr, t in external.items() if ptr in written]
 
 
 def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:

@@ -19,7 +19,7 @@ import itertools
 import threading
 import weakref
 from types import MethodType
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, cast, overload
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, Union, cast, overload
 
 import torch
 import wrapt
@@ -29,6 +29,7 @@ from .. import _config
 from .._config import Options, check_option_names, check_static_arguments
 from ..engine._engine import Engine, _dynamo_callback, _is_compiling
 from .._stats import KeyStats
+from ..buckets._suggest import BucketSuggestion, suggest
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,6 +69,15 @@ class GraphedFunction(wrapt.FunctionWrapper):
         """Drop this function's graphs and give their memory back; later calls start over."""
         self._self_engine.reset()
 
+    def suggest_buckets(self, max_graphs: int) -> BucketSuggestion:
+        """The capture sizes, at most ``max_graphs``, that would have padded the fewest rows
+        for the batch sizes this function's bucketed calls had; with the padding share.
+
+        >>> step.suggest_buckets(max_graphs=4).buckets     # e.g. [3, 8, 17, 32]
+        """
+        return suggest(self.stats(), self._self_engine.options.buckets or (), max_graphs,
+                       self._self_engine.name)
+
     def __copy__(self) -> "GraphedFunction":
         """The same function graphed anew, with the same options and no graphs.
 
@@ -94,6 +104,9 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
 
     def reset(self) -> None:
         self._self_parent.reset()
+
+    def suggest_buckets(self, max_graphs: int) -> BucketSuggestion:
+        return self._self_parent.suggest_buckets(max_graphs)
 
 
 # wrapt reads the bound wrapper's class from this attribute (it has no constructor argument).
@@ -198,6 +211,11 @@ class GraphedForward:
         """Drop this module's graphs and give their memory back."""
         self._self_engine.reset()
 
+    def suggest_buckets(self, max_graphs: int) -> BucketSuggestion:
+        """See ``GraphedFunction.suggest_buckets``: from this module's bucketed calls."""
+        return suggest(self.stats(), self._self_engine.options.buckets or (), max_graphs,
+                       self._self_engine.name)
+
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphedForward":
         """The forward of a module's deep copy (an EMA model), graphed anew: same options,
         no graphs; its first calls warm up and capture on the copy's own parameters.
@@ -289,7 +307,8 @@ def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
             bucket_args: Optional[Dict[str, Any]] = ...,
             static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
             bucket_outputs: Any = ..., verify: Optional[int] = ..., islands: bool = ...,
-            check_payoff: bool = ...) -> Callable[[F], F]: ...
+            check_payoff: bool = ...,
+            max_graph_memory: Optional[Union[int, str]] = ...) -> Callable[[F], F]: ...
 
 
 def graphed(fn: Any = None, /, **options: Any) -> Any:
@@ -301,6 +320,7 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
     >>> @autograph.graphed(warmup=2, outputs="static")
     ... def decode(ids, pos): ...
     >>> model = autograph.graphed(model)      # same module; its forward is graphed
+    >>> serve = autograph.graphed(decode, buckets=[1, 2, 4, 8], max_graph_memory="512MiB")
 
     Options, all keyword-only (docs/guide/options.md has the details):
 
@@ -310,6 +330,9 @@ def graphed(fn: Any = None, /, **options: Any) -> Any:
       stale one raises.
     - ``max_graphs=16``: graphs per function (per instance, for methods); keys past it run
       eagerly, said once. Keys that never got a graph do not count.
+    - ``max_graph_memory=None``: bytes, or a string such as ``"512MiB"``, that the graphs of
+      the function (or region) may hold; past it the least recently replayed graphs are
+      dropped first.
     - ``strict``: raise ``autograph.CaptureError`` instead of running a key eagerly; the
       default comes from ``AUTOGRAPH_STRICT``.
     - ``buckets=[1, 2, 4, ...]``: capture sizes for a dynamic dimension; a call of size B

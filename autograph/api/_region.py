@@ -81,6 +81,11 @@ class Region:
             caches = list(self._caches.values())
         return {device for cache in caches for device in cache.release_entries(lives)}
 
+    def lives(self) -> List[Any]:
+        """The keys its calls touched that are still alive (``max_graph_memory``'s scope)."""
+        with self._lock:
+            return list(self._touched.values())
+
     def note_tallied(self, engine: Any) -> None:
         """A call of ``engine`` that ran eagerly before being keyed (no CUDA, CPU tensors):
         counted here, its engine's tally rows in ``stats()``."""

@@ -84,9 +84,11 @@ def report(target: Any = None, file: Optional[TextIO] = None) -> None:
     >>> autograph.report(model)
 
     On a terminal, long keys and fallback reasons wrap to its width; elsewhere (a file, a
-    pipe) each key is one line. ``stats()`` has the same rows as dataclasses. A note under
-    the table says when keys ran on the CPU emulation, whose capture times and memory mean
-    nothing; under ``AUTOGRAPH_DISABLE=1`` it says that autograph is disabled.
+    pipe) each key is one line. A last line per function with graphs gives the memory they
+    hold together (``graph_bytes`` summed: their share of the pool they were captured into).
+    ``stats()`` has the same rows as dataclasses. A note under the table says when keys ran
+    on the CPU emulation, whose capture times and memory mean nothing; under
+    ``AUTOGRAPH_DISABLE=1`` it says that autograph is disabled.
     """
     rows = stats(target)
     file = file or sys.stdout
@@ -96,7 +98,7 @@ def report(target: Any = None, file: Optional[TextIO] = None) -> None:
         "autograph: no graphed function has been called."]
     if any(row.emulated and row.capture_seconds is not None for row in rows):
         notes.append(EMULATED)
-    lines = [_stats.format_table(rows, width)] if rows else []
+    lines = [_stats.format_table(rows, width), *_stats.memory_lines(rows)] if rows else []
     lines += [textwrap.fill(note, width) if width else note for note in notes]
     print("\n".join(lines), file=file)
 

@@ -15,15 +15,15 @@ one empty capture to reset the default generator (torch < 2.12 leaves it "captur
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 import time
 import warnings
-from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Set, Union
+from typing import Any, Callable, ContextManager, List, Sequence, Set, Union
 
 import torch
 
 from ._backend import Capture
+from ._collector import collector_paused
 from .._config import logger
 from ._streams import on_stream
 
@@ -123,19 +123,6 @@ class _OnCaptureStream(on_stream):
     def __exit__(self, *exc: Any) -> None:
         self.caller.wait_stream(self.stream)
         super().__exit__(*exc)
-
-
-@contextlib.contextmanager
-def _no_garbage_collection() -> Iterator[None]:
-    # A collection during capture could destroy an unreachable CUDA graph, and freeing a
-    # graph inside another capture invalidates that capture (vLLM freezes gc likewise).
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _end_quietly(graph: "torch.cuda.CUDAGraph") -> None:
@@ -242,7 +229,7 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         result = Capture(graph)
         _register(graph, generators, device)
-        with _capture_lock, torch.cuda.device(device), _no_garbage_collection():
+        with _capture_lock, torch.cuda.device(device), collector_paused():
             caller = torch.cuda.current_stream(device)
             stream = _capture_stream(device)
             stream.wait_stream(caller)

@@ -41,6 +41,7 @@ class Graph:
         self.mutated = recorded.inputs.mutated
         # The storages it reads or writes by address: an argument sharing one runs eagerly.
         self.by_address = set(recorded.watch.external)
+        self.written_storages = recorded.watch.written  # the storages its capture wrote
         # Whether a call's arguments must be checked for aliasing before a replay (either set).
         self.aliasing = bool(self.mutated or self.by_address)
         # Set (by the read watch) to the name of a tensor read by address that was freed.
@@ -121,6 +122,10 @@ class Graph:
         return (f"{self.invalid_reason}, which its graph reads by address, was freed or "
                 f"replaced again after {captures} captures; update it in place instead of "
                 f"replacing it")
+
+    def watched_external(self) -> Dict[int, Tensor]:
+        """The tensors its capture read by address, by storage, until ``watch_reads``."""
+        return {} if self._unwatched is None else dict(self._unwatched[0])
 
     def watch_reads(self) -> None:
         """Hold the tensors read by address, and the private generators drawn from, weakly

@@ -30,6 +30,7 @@ from ..capture._graph import Graph
 from ..watch._guard import LibraryUse
 from ..policy._islands import eager_scope, in_an_island
 from ..capture._outputs import flatten_output
+from ..policy._memory_budget import within_budget
 from ..policy._payoff import measurement, timed_call
 from .._profile import profile_range, torch_profiler
 from ..watch._python_state import PythonState, per_call_reason
@@ -50,6 +51,9 @@ WARMUP, CAPTURE, GRAPHED, EAGER = "warmup", "capture", "graphed", "eager"
 # then runs eagerly: no capture storm.
 MAX_RECAPTURES = 2
 MISS = object()  # ``serve``: this call cannot be a plain replay
+# A tick per replay, for max_graph_memory's least recently replayed first: a list item, so that
+# a replay pays no call; races between threads only blur the order.
+_clock = [0]
 
 
 def _aliases_what_it_uses(tensors: List[Tensor], written: List[int], by_address: set) -> bool:
@@ -113,7 +117,7 @@ def _key_stats(life: "KeyLife") -> KeyStats:
         capture_seconds=graph.capture_seconds if graph else None,
         graph_bytes=graph.memory_bytes if graph else 0,
         fallback_reason=life.reason, bucket=life.bucket, sizes=dict(life.sizes) or None,
-        verified=life.verified, gain=life.gain,
+        verified=life.verified, gain=life.gain, evictions=life.evictions,
         emulated=getattr(life.backend, "device_type", None) == "cpu")
 
 
@@ -125,7 +129,8 @@ class KeyLife:
                  "strict_error", "graph", "written", "by_address", "uses_cudnn", "generators",
                  "warmup_thread", "strong_identities", "identity_ids", "bucket", "sizes",
                  "trains", "payoff", "gain", "checks_left", "verified", "padded_runs",
-                 "state_written", "groups", "island", "__weakref__")
+                 "state_written", "groups", "island", "last_replay", "evictions",
+                 "__weakref__")
 
     def __init__(self, function: Function, owner: str, label: str, parts: List[str],
                  options: Options, backend: Any, device: int, bucket: Optional[int] = None):
@@ -156,6 +161,8 @@ class KeyLife:
         self.checks_left = self.verified = 0
         self.island: Any = None  # the region its eager calls run in (``_islands``)
         self.payoff = self.gain = None  # check_payoff: measured until a verdict (``_payoff``)
+        # max_graph_memory (``_memory_budget``): when it last replayed, and its graphs dropped.
+        self.last_replay = self.evictions = 0
 
     # ---- replays ----
 
@@ -171,6 +178,8 @@ class KeyLife:
                 and padding.rows not in graph.rows_checked:
             return MISS
         self.replays += 1
+        _clock[0] += 1
+        self.last_replay = _clock[0]
         if region is not None:
             region.note(self, "replays")
         return graph.replay(tensors, padding)
@@ -194,7 +203,7 @@ class KeyLife:
         if graph is not None:
             if graph.may_replay():  # aliased, busy, or a Python value read changed: eager
                 return self.run_eagerly(c)
-            self._invalidate()
+            _invalidate(self)
         if self.phase == WARMUP:
             return self._warmup(c)
         if self.phase == CAPTURE:
@@ -213,6 +222,8 @@ class KeyLife:
         if self.checks_left or self.payoff:  # verify's checks first, then the payoff
             return checked_replay(self, c, run_call) if self.checks_left else timed_call(self, c)
         self.replays += 1
+        _clock[0] += 1
+        self.last_replay = _clock[0]
         c.note(self, "replays")
         with profile_range("replay", self.function.name, self.label):
             return self.graph.replay(c.tensors, c.padding)
@@ -302,6 +313,7 @@ class KeyLife:
         self.adopt(graph, c)
         c.note(self, "captures")
         c.note(self, "replays")
+        within_budget(self, c)
         return outputs
 
     def adopt(self, graph: Graph, c: Call) -> None:
@@ -334,18 +346,6 @@ class KeyLife:
             return None
         return graph
 
-    def _invalidate(self) -> None:
-        graph, self.graph = self.graph, None
-        graph.release()
-        self.trains = self.trains or graph.unfrozen  # its outputs will need gradients now
-        self.recaptures += 1
-        if self.recaptures > MAX_RECAPTURES:
-            self.fall_back(graph.changed_again(MAX_RECAPTURES))
-            return
-        logger.info("%s(%s): %s was freed or replaced since capture; capturing again",
-                    self.function.name, self.label, graph.invalid_reason)
-        self.phase = CAPTURE
-
     # ---- eager for good ----
 
     def fall_back(self, reason: str, *, warn: bool = True, strict: bool = True,
@@ -366,6 +366,21 @@ class KeyLife:
 
     def stats(self) -> KeyStats:
         return _key_stats(self)
+
+
+def _invalidate(life: KeyLife) -> None:
+    """A graph whose reads were freed is dropped; its key captures again, at most
+    ``MAX_RECAPTURES`` times."""
+    graph, life.graph = life.graph, None
+    graph.release()
+    life.trains = life.trains or graph.unfrozen  # its outputs will need gradients now
+    life.recaptures += 1
+    if life.recaptures > MAX_RECAPTURES:
+        life.fall_back(graph.changed_again(MAX_RECAPTURES))
+        return
+    logger.info("%s(%s): %s was freed or replaced since capture; capturing again",
+                life.function.name, life.label, graph.invalid_reason)
+    life.phase = CAPTURE
 
 
 def _record(life: KeyLife, c: Call) -> Graph:

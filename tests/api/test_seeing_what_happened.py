@@ -210,8 +210,9 @@ def test_report_of_a_module_in_one_call_whichever_way_it_was_graphed(device, cap
         lines = capsys.readouterr().out.splitlines()
         name = autograph.stats(module)[0].function
         assert lines[2].startswith(name) and " graphed " in lines[2]
+        assert lines[3].startswith(f"{name}: 1 graph(s) hold ")  # the memory its graphs hold
         # The emulation's capture time and memory are said to mean nothing; real ones are not.
-        assert lines[3:] == ([EMULATED] if device == "cpu" else [])
+        assert lines[4:] == ([EMULATED] if device == "cpu" else [])
 
 
 def test_report_of_an_unknown_target_says_what_it_takes():
