@@ -12,16 +12,17 @@ once into a CUDA graph, then replayed. What cannot be graphed runs eagerly, with
 says why and where. The guides are in docs/ (README.md links them), and docs/design.md says
 how it is built.
 """
+
 import typing as _typing
 
 from . import _config as _config  # first: it refuses a torch older than the floor
-from .backends._cuda_graphs import capture_stream
 from ._errors import AutographWarning, CaptureError
+from ._stats import KeyStats
 from .api._graphed import BoundGraphedFunction, GraphedForward, GraphedFunction, graphed
 from .api._per_bucket import per_bucket
 from .api._region import Region, RegionStats, region
 from .api._report import report, reset, stats
-from ._stats import KeyStats
+from .backends._cuda_graphs import capture_stream
 from .buckets._suggest import BucketSuggestion
 from .generate import generate
 from .policy._verify import VERIFY_TOLERANCES

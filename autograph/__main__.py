@@ -5,6 +5,7 @@ bench`` times eager against graphed on it, ``python -m autograph --version`` pri
 autograph 0.2.0.dev0, torch 2.11.0+cu130, Python 3.12.3
 ...
 """
+
 import sys
 
 from autograph.cli._main import main

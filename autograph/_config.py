@@ -5,6 +5,7 @@ The environment is read once, at import, so a typo fails loudly before any model
 >>> import os; os.environ["AUTOGRAPH_LOG"] = "verbose"; import autograph
 ValueError: AUTOGRAPH_LOG='verbose' is not understood: use one of info, debug, warning ...
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,8 @@ def check_torch(version: str) -> None:
             f"autograph needs torch >= {'.'.join(map(str, TORCH_FLOOR))}, and this is torch "
             f"{version}: older Dynamo cannot compile around autograph's watch (torch.compile'd "
             f"code under it was skipped for good, or recompiled on every watched call), and "
-            f"older torch lacks APIs autograph uses. Upgrade it: pip install 'torch>=2.9'")
+            f"older torch lacks APIs autograph uses. Upgrade it: pip install 'torch>=2.9'"
+        )
 
 
 check_torch(torch.__version__)
@@ -66,8 +68,9 @@ def _count(environ: Mapping[str, str], name: str) -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"{name}={raw!r} is not understood: use a whole number >= 0 (or leave "
-                         f"it unset).")
+        raise ValueError(
+            f"{name}={raw!r} is not understood: use a whole number >= 0 (or leave it unset)."
+        )
     return value
 
 
@@ -135,16 +138,23 @@ class Options:
         set_("static_argnames", _names(self.static_argnames, "static_argnames"))
         set_("static_argnums", _numbers(self.static_argnums, "static_argnums"))
         set_("max_graph_memory", _bytes(self.max_graph_memory))
-        if self.verify is not None and (isinstance(self.verify, bool)
-                                        or not isinstance(self.verify, int) or self.verify < 0):
-            raise ValueError(f"verify={self.verify!r}: it must be an int >= 0, the number of "
-                             f"replays of each key checked against an eager run.")
+        if self.verify is not None and (
+            isinstance(self.verify, bool) or not isinstance(self.verify, int) or self.verify < 0
+        ):
+            raise ValueError(
+                f"verify={self.verify!r}: it must be an int >= 0, the number of "
+                f"replays of each key checked against an eager run."
+            )
         if self.bucket_args is not None and self.buckets is None:
-            raise ValueError(f"bucket_args={dict((n, (d, p)) for n, d, p in self.bucket_args)!r}"
-                             f" needs buckets=[...]: the sizes to pad to.")
+            raise ValueError(
+                f"bucket_args={dict((n, (d, p)) for n, d, p in self.bucket_args)!r}"
+                f" needs buckets=[...]: the sizes to pad to."
+            )
         if self.bucket_outputs is not None and self.buckets is None:
-            raise ValueError(f"bucket_outputs={self.bucket_outputs!r} needs buckets=[...]: it "
-                             f"names the output dims that follow the padded batch.")
+            raise ValueError(
+                f"bucket_outputs={self.bucket_outputs!r} needs buckets=[...]: it "
+                f"names the output dims that follow the padded batch."
+            )
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 1:
             raise ValueError(
                 f"warmup={self.warmup!r}: it must be an int >= 1, because the first call of a "
@@ -165,11 +175,15 @@ class Options:
                 f"max_graphs={self.max_graphs!r}: it must be an int >= 0 (0 captures nothing)."
             )
         if not isinstance(self.islands, bool):
-            raise ValueError(f"islands={self.islands!r}: it must be True (a key that runs "
-                             f"eagerly still graphs the module calls inside it) or False.")
+            raise ValueError(
+                f"islands={self.islands!r}: it must be True (a key that runs "
+                f"eagerly still graphs the module calls inside it) or False."
+            )
         if not isinstance(self.check_payoff, bool):
-            raise ValueError(f"check_payoff={self.check_payoff!r}: it must be True (a key whose "
-                             f"graph is slower than its eager run goes eager) or False.")
+            raise ValueError(
+                f"check_payoff={self.check_payoff!r}: it must be True (a key whose "
+                f"graph is slower than its eager run goes eager) or False."
+            )
         if self.strict is not None and not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r}: it must be True, False or None.")
 
@@ -186,8 +200,18 @@ class Options:
         return bool(self.static_argnames or self.static_argnums)
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def _bytes(value: Any) -> Optional[int]:
@@ -198,11 +222,17 @@ def _bytes(value: Any) -> Optional[int]:
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         number, unit = (float(match.group(1)), match.group(2).upper()) if match else (None, "?")
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0 \
-            or unit not in _UNITS:
-        raise ValueError(f"max_graph_memory={value!r}: give a number of bytes >= 0, or a string "
-                         f"with a unit, e.g. max_graph_memory=\"512MiB\" or \"2GB\" (units: "
-                         f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).")
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, (int, float))
+        or number < 0
+        or unit not in _UNITS
+    ):
+        raise ValueError(
+            f"max_graph_memory={value!r}: give a number of bytes >= 0, or a string "
+            f'with a unit, e.g. max_graph_memory="512MiB" or "2GB" (units: '
+            f"B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)."
+        )
     return int(number * _UNITS[unit])
 
 
@@ -211,8 +241,10 @@ def _buckets(value: Any) -> Optional[Tuple[int, ...]]:
         return None
     sizes = tuple(value) if isinstance(value, (list, tuple, range)) else None
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-        raise ValueError(f"buckets={value!r}: give the capture sizes as a list of ints >= 1, "
-                         f"e.g. buckets=[1, 2, 4, 8, 16, 32].")
+        raise ValueError(
+            f"buckets={value!r}: give the capture sizes as a list of ints >= 1, "
+            f"e.g. buckets=[1, 2, 4, 8, 16, 32]."
+        )
     return tuple(sorted(set(sizes)))
 
 
@@ -220,16 +252,29 @@ def _bucket_args(value: Any) -> Optional[Tuple[Tuple[str, int, Any], ...]]:
     if value is None or isinstance(value, tuple):
         return value
     if not isinstance(value, Mapping) or not value:
-        raise ValueError(f"bucket_args={value!r}: give a dict of argument name to dim, or to "
-                         f"(dim, pad value), e.g. bucket_args={{'ids': 0, 'mask': (0, 0)}}.")
+        raise ValueError(
+            f"bucket_args={value!r}: give a dict of argument name to dim, or to "
+            f"(dim, pad value), e.g. bucket_args={{'ids': 0, 'mask': (0, 0)}}."
+        )
     specs = []
     for name, spec in value.items():
-        dim, pad = (spec, 0) if isinstance(spec, int) else (tuple(spec) + (0,))[:2] \
-            if isinstance(spec, (tuple, list)) else (None, None)
-        if not isinstance(name, str) or isinstance(dim, bool) or not isinstance(dim, int) \
-                or not isinstance(pad, (int, float, bool)):
-            raise ValueError(f"bucket_args[{name!r}]={spec!r}: give a dim (an int) or (dim, "
-                             f"pad value), e.g. 0 or (0, -100).")
+        dim, pad = (
+            (spec, 0)
+            if isinstance(spec, int)
+            else (tuple(spec) + (0,))[:2]
+            if isinstance(spec, (tuple, list))
+            else (None, None)
+        )
+        if (
+            not isinstance(name, str)
+            or isinstance(dim, bool)
+            or not isinstance(dim, int)
+            or not isinstance(pad, (int, float, bool))
+        ):
+            raise ValueError(
+                f"bucket_args[{name!r}]={spec!r}: give a dim (an int) or (dim, "
+                f"pad value), e.g. 0 or (0, -100)."
+            )
         specs.append((name, dim, pad))
     return tuple(specs)
 
@@ -237,6 +282,7 @@ def _bucket_args(value: Any) -> Optional[Tuple[Tuple[str, int, Any], ...]]:
 def _bucket_outputs(value: Any) -> Any:
     """None, an int (that dim of every tensor output), or a tuple with one entry per output
     leaf: None (returned whole), an int or a tuple of ints (its dims that follow the batch)."""
+
     def is_dim(n: Any) -> bool:
         return isinstance(n, int) and not isinstance(n, bool)
 
@@ -244,12 +290,20 @@ def _bucket_outputs(value: Any) -> Any:
         return value
     entries = list(value) if isinstance(value, (list, tuple)) else None
     if entries is not None:
-        entries = [e if e is None or is_dim(e) else tuple(e)
-                   if isinstance(e, (list, tuple)) and all(map(is_dim, e)) else ... for e in entries]
+        entries = [
+            e
+            if e is None or is_dim(e)
+            else tuple(e)
+            if isinstance(e, (list, tuple)) and all(map(is_dim, e))
+            else ...
+            for e in entries
+        ]
     if not entries or any(e is ... for e in entries):
-        raise ValueError(f"bucket_outputs={value!r}: give the output dim that follows the batch "
-                         f"(an int, e.g. 0), or one entry per output: an int, a tuple of ints, "
-                         f"or None for an output returned whole, e.g. [0, None].")
+        raise ValueError(
+            f"bucket_outputs={value!r}: give the output dim that follows the batch "
+            f"(an int, e.g. 0), or one entry per output: an int, a tuple of ints, "
+            f"or None for an output returned whole, e.g. [0, None]."
+        )
     return tuple(entries)
 
 
@@ -272,12 +326,12 @@ def check_option_names(options: Mapping[str, object], where: str) -> None:
     known = {f.name for f in dataclasses.fields(Options)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(f"{where} got unknown option(s) {unknown}; "
-                        f"the options are {sorted(known)}.")
+        raise TypeError(
+            f"{where} got unknown option(s) {unknown}; the options are {sorted(known)}."
+        )
 
 
-def check_static_arguments(options: Options, function: Callable, name: str,
-                           bound: bool) -> None:
+def check_static_arguments(options: Options, function: Callable, name: str, bound: bool) -> None:
     """Refuse ``static_argnames`` that name no parameter of ``function`` and
     ``static_argnums`` past its last positional parameter (``bound``: its first parameter,
     ``self`` or ``cls``, is not counted). A ``**kwargs`` function takes any name, a
@@ -296,8 +350,7 @@ def check_static_arguments(options: Options, function: Callable, name: str,
     named = [p for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if bound and named and named[0].kind is not inspect.Parameter.KEYWORD_ONLY:
         named = named[1:]
-    positional = [p.name for p in named
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p.name for p in named if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     listed = ", ".join(str(p) for p in named) or "none"
     if inspect.Parameter.VAR_KEYWORD not in kinds:
         unknown = [n for n in options.static_argnames if n not in {p.name for p in named}]
@@ -305,7 +358,8 @@ def check_static_arguments(options: Options, function: Callable, name: str,
             raise TypeError(
                 f"autograph.graphed(static_argnames={options.static_argnames!r}): {name} has "
                 f"no parameter {', '.join(map(repr, unknown))}; its parameters are ({listed}). "
-                f"Name the parameters whose tensors are used by address.")
+                f"Name the parameters whose tensors are used by address."
+            )
     if inspect.Parameter.VAR_POSITIONAL not in kinds:
         beyond = [i for i in options.static_argnums if i >= len(positional)]
         if beyond:
@@ -313,4 +367,5 @@ def check_static_arguments(options: Options, function: Callable, name: str,
                 f"autograph.graphed(static_argnums={options.static_argnums!r}): {name} takes "
                 f"{len(positional)} positional argument(s) ({', '.join(positional) or 'none'}),"
                 f" so position(s) {', '.join(map(str, beyond))} do not exist. Count from 0"
-                f"{', without self' if bound else ''}.")
+                f"{', without self' if bound else ''}."
+            )

@@ -11,12 +11,14 @@ NVTX callbacks turn every record_function into an NVTX range. Ranges exist only 
 profiler runs: otherwise ``profile_range`` returns a shared no-op context, and the replay path
 reads one module attribute.
 """
+
 from __future__ import annotations
 
 import contextlib
 from typing import Any, ContextManager
 
 import torch
+
 # Every torch profiler (kineto, emit_nvtx, emit_itt) sets and clears its
 # ``_is_profiler_enabled`` on start and stop: a few nanoseconds to read, where
 # ``torch._C._autograd._profiler_enabled()`` costs a C call (about 50 ns).

@@ -8,6 +8,7 @@ Per thread, because regions are: a region opened in one thread never changes wha
 thread's calls do. This module imports nothing of the engine, so both the engine and the
 region can depend on it.
 """
+
 from __future__ import annotations
 
 import threading

@@ -8,6 +8,7 @@ KeyStats(function='step', key='x: f32[8, 512] cuda:0', state='graphed', calls=10
 >>> print(format_table(step.stats(), width=100))     # wrapped to a 100-column terminal
 >>> [dataclasses.asdict(row) for row in step.stats()]   # plain dicts, for scripts and JSON
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -115,12 +116,16 @@ _INDENT = "    "
 
 def _lines(cells: List[str], widths: List[int], wrapped: Optional[int]) -> List[str]:
     """One table row; the cell of column ``wrapped`` wraps within its width."""
-    columns = [textwrap.wrap(cell, widths[i], break_on_hyphens=False) or [""]
-               if i == wrapped and len(cell) > widths[i] else [cell]
-               for i, cell in enumerate(cells)]
-    return ["  ".join((c[n] if n < len(c) else "").ljust(w)
-                      for c, w in zip(columns, widths)).rstrip()
-            for n in range(max(len(c) for c in columns))]
+    columns = [
+        textwrap.wrap(cell, widths[i], break_on_hyphens=False) or [""]
+        if i == wrapped and len(cell) > widths[i]
+        else [cell]
+        for i, cell in enumerate(cells)
+    ]
+    return [
+        "  ".join((c[n] if n < len(c) else "").ljust(w) for c, w in zip(columns, widths)).rstrip()
+        for n in range(max(len(c) for c in columns))
+    ]
 
 
 def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
@@ -138,23 +143,47 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
     The ``verified`` column appears once verify mode checked a replay, ``gain`` once a key's
     payoff was measured, ``evicted`` once ``max_graph_memory`` dropped a graph.
     """
-    header = ["function", "key", "state", "calls", "replays", "verified", "eager", "gain",
-              "capture ms", "MiB", "evicted", "padding", "fallback reason"]
+    header = [
+        "function",
+        "key",
+        "state",
+        "calls",
+        "replays",
+        "verified",
+        "eager",
+        "gain",
+        "capture ms",
+        "MiB",
+        "evicted",
+        "padding",
+        "fallback reason",
+    ]
     body = [
-        [r.function, r.key, r.state, str(r.calls), str(r.replays),
-         str(r.verified) if r.verified else "", str(r.eager_calls),
-         "" if r.gain is None else f"{r.gain:.2f}x",
-         "" if r.capture_seconds is None else f"{r.capture_seconds * 1e3:.1f}",
-         _mib(r.graph_bytes) if r.graph_bytes else "",
-         str(r.evictions) if r.evictions else "",
-         _padding(r),
-         r.fallback_reason or ""]
+        [
+            r.function,
+            r.key,
+            r.state,
+            str(r.calls),
+            str(r.replays),
+            str(r.verified) if r.verified else "",
+            str(r.eager_calls),
+            "" if r.gain is None else f"{r.gain:.2f}x",
+            "" if r.capture_seconds is None else f"{r.capture_seconds * 1e3:.1f}",
+            _mib(r.graph_bytes) if r.graph_bytes else "",
+            str(r.evictions) if r.evictions else "",
+            _padding(r),
+            r.fallback_reason or "",
+        ]
         for r in rows
     ]
-    optional = {"verified", "gain", "evicted"} if width is None else {
-        "verified", "gain", "capture ms", "MiB", "evicted", "padding", "fallback reason"}
-    keep = [i for i, name in enumerate(header)
-            if name not in optional or any(line[i] for line in body)]
+    optional = (
+        {"verified", "gain", "evicted"}
+        if width is None
+        else {"verified", "gain", "capture ms", "MiB", "evicted", "padding", "fallback reason"}
+    )
+    keep = [
+        i for i, name in enumerate(header) if name not in optional or any(line[i] for line in body)
+    ]
     header, body = [header[i] for i in keep], [[line[i] for i in keep] for line in body]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     reasons: List[str] = []
@@ -165,14 +194,20 @@ def format_table(rows: List[KeyStats], width: Optional[int] = None) -> str:
         over = sum(widths) + 2 * len(widths) - 2 - width
         if over > 0:
             widths[1] = max(min(widths[1], _NARROWEST_KEY), widths[1] - over)
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(header, widths)).rstrip(),
-             "  ".join("-" * w for w in widths)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(header, widths)).rstrip(),
+        "  ".join("-" * w for w in widths),
+    ]
     for n, line in enumerate(body):
         lines += _lines(line, widths, wrapped=1)
         if reasons and reasons[n]:
-            lines += textwrap.wrap(f"fallback reason: {reasons[n]}", width,
-                                   initial_indent=_INDENT, subsequent_indent=_INDENT,
-                                   break_on_hyphens=False)
+            lines += textwrap.wrap(
+                f"fallback reason: {reasons[n]}",
+                width,
+                initial_indent=_INDENT,
+                subsequent_indent=_INDENT,
+                break_on_hyphens=False,
+            )
     return "\n".join(lines)
 
 
@@ -182,5 +217,6 @@ def memory_lines(rows: List[KeyStats]) -> List[str]:
     for r in rows:
         if r.graph_bytes:
             held.setdefault(r.function, []).append(r.graph_bytes)
-    return [f"{name}: {len(sizes)} graph(s) hold {_mib(sum(sizes))} MiB"
-            for name, sizes in held.items()]
+    return [
+        f"{name}: {len(sizes)} graph(s) hold {_mib(sum(sizes))} MiB" for name, sizes in held.items()
+    ]

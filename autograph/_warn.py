@@ -5,6 +5,7 @@
 A graphed module's forward is called from ``nn.Module.__call__``, a function from autograph's
 wrapper: the warning names the line that called them, where the user can act.
 """
+
 from __future__ import annotations
 
 import os

@@ -44,6 +44,7 @@ timings and memory figures mean nothing. Generators: a private generator reseede
 from the generator's state as it goes on; CUDA refuses that capture (the key runs eagerly). One
 made inside the function is refused by both.
 """
+
 from .backends._cpu_graphs import emulate_graphs_on_cpu
 
 __all__ = ["emulate_graphs_on_cpu"]

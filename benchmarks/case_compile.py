@@ -4,19 +4,30 @@ in ``mode="max-autotune-no-cudagraphs"``; ``autograph.graphed(torch.compile(mode
 ``torch.compile(step, mode="reduce-overhead")``. For each: the time of its first 3 calls
 (compile, capture), us per call, dynamo's counters around the timed calls (no recompiles), and
 the largest difference of its logits from eager's at the same cache state, on its first
-call and on a replay after the timed calls (allclose at bf16 tolerance, rtol 1.6e-2, atol 1e-2). About 2-3 min on an H200: ~15 s per compile, max-autotune (last) ~30-60 s more."""
+call and on a replay after the timed calls (allclose at bf16 tolerance, rtol 1.6e-2, atol 1e-2).
+About 2-3 min on an H200: ~15 s per compile, max-autotune (last) ~30-60 s more."""
+
 from __future__ import annotations
 
 import copy
 import time
 
 import torch
+from case_llama import llama_setup, refill, stepper
 
 import autograph
-from autograph.cli._bench import (add_row, compile_for_bench, counter_changes, device,
-                              dynamo_counters, failure, per_call_us, progress,
-                              raise_recompile_limit, sync)
-from case_llama import llama_setup, refill, stepper
+from autograph.cli._bench import (
+    add_row,
+    compile_for_bench,
+    counter_changes,
+    device,
+    dynamo_counters,
+    failure,
+    per_call_us,
+    progress,
+    raise_recompile_limit,
+    sync,
+)
 
 NAME = "(g) torch.compile on the HF decode step (b)"
 RTOL, ATOL = 1.6e-2, 1e-2
@@ -42,9 +53,10 @@ def case_compile(rows, with_compile):
         add_row(rows, NAME, "eager", eager_us, kind="eager")
 
     def variant(label, build, reference_us=None):
-        """``build()`` gives (call, its stepper, what autograph graphs or None); logits are compared with eager's at the same
-        cache state (the first call after a prefill), on the first call (compiled code) and
-        on a call after the timed ones (the graph's replay)."""
+        """``build()`` gives (call, its stepper, what autograph graphs or None); logits are
+        compared with eager's at the same cache state (the first call after a prefill), on
+        the first call (compiled code) and on a call after the timed ones (the graph's
+        replay)."""
         progress(f"{label}: first calls (compile)")
         try:
             with torch.inference_mode():
@@ -66,12 +78,15 @@ def case_compile(rows, with_compile):
             add_row(rows, NAME, label, None, note=failure(error))
             return None
         error = max((o.float() - reference.float()).abs().max().item() for o in outs)
-        close = all(torch.allclose(o.float(), reference.float(), rtol=RTOL, atol=ATOL)
-                    for o in outs)
-        note = (f"first 3 calls {first:.1f} s; {eager_us / us:.1f}x eager; max |logit error| vs "
-                f"eager {error:.3g} (|logits| up to {reference.abs().max().item():.3g}), "
-                f"allclose: {close}; dynamo counters while timed: "
-                f"{'unchanged' if not changes else changes}")
+        close = all(
+            torch.allclose(o.float(), reference.float(), rtol=RTOL, atol=ATOL) for o in outs
+        )
+        note = (
+            f"first 3 calls {first:.1f} s; {eager_us / us:.1f}x eager; max |logit error| vs "
+            f"eager {error:.3g} (|logits| up to {reference.abs().max().item():.3g}), "
+            f"allclose: {close}; dynamo counters while timed: "
+            f"{'unchanged' if not changes else changes}"
+        )
         if target is not None:
             states = [f"{r.state} ({r.replays} replays)" for r in keys]
             note += f"; autograph keys: {', '.join(states) or 'none'}"
@@ -84,16 +99,16 @@ def case_compile(rows, with_compile):
 
     def stepped(wrap, mode=None):
         inner = make(copy.deepcopy(model))
-        compiled = compile_for_bench(inner) if mode is None else compile_for_bench(inner,
-                                                                                  mode=mode)
+        compiled = compile_for_bench(inner) if mode is None else compile_for_bench(inner, mode=mode)
         wrapped = wrap(compiled)
         return wrapped, inner, (wrapped if wrapped is not compiled else None)
 
     # torch.compile's own graphs first: the reference of the stacked rows.
-    reduce_us = variant('torch.compile(step, mode="reduce-overhead")',
-                        lambda: stepped(lambda f: f, "reduce-overhead"))
-    variant("autograph.graphed(torch.compile(step))",
-            lambda: stepped(autograph.graphed), reduce_us)
+    reduce_us = variant(
+        'torch.compile(step, mode="reduce-overhead")',
+        lambda: stepped(lambda f: f, "reduce-overhead"),
+    )
+    variant("autograph.graphed(torch.compile(step))", lambda: stepped(autograph.graphed), reduce_us)
 
     def compiled_model():
         original = copy.deepcopy(model)
@@ -103,5 +118,8 @@ def case_compile(rows, with_compile):
         return inner, inner, graphed
 
     variant("autograph.graphed(torch.compile(model))", compiled_model, reduce_us)
-    variant('autograph.graphed(torch.compile(step, mode="max-autotune-no-cudagraphs"))',
-            lambda: stepped(autograph.graphed, "max-autotune-no-cudagraphs"), reduce_us)
+    variant(
+        'autograph.graphed(torch.compile(step, mode="max-autotune-no-cudagraphs"))',
+        lambda: stepped(autograph.graphed, "max-autotune-no-cudagraphs"),
+        reduce_us,
+    )

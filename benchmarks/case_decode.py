@@ -22,16 +22,25 @@ not run before against its next (the one-time work at a new shape that the first
 pays at each bucket, as an eager server would). A padded batch size is also timed in the
 exact-size graph of its bucket's rows: the GPU work of the rows the bucket runs.
 About 60-90 s on an H200: eager timing ~25 s, the rest seconds."""
+
 from __future__ import annotations
 
 import time
 
 import torch
+from case_llama import llama_setup, new_cache, refill
 
 import autograph
-from autograph.cli._bench import (add_row, device, hand_written, latencies_us, percentile, progress,
-                              side_by_side, sync)
-from case_llama import llama_setup, new_cache, refill
+from autograph.cli._bench import (
+    add_row,
+    device,
+    hand_written,
+    latencies_us,
+    percentile,
+    progress,
+    side_by_side,
+    sync,
+)
 
 NAME = "(f) HF Llama decode 8x512, batch 1..64, buckets"
 LATENCY = "(f) HF Llama decode, batch 1 step latency"
@@ -48,13 +57,15 @@ def case_decode(rows, with_compile):
     tokens = torch.randint(0, 1024, (max(BUCKETS), 1), generator=generator).to(dev)
     pos = torch.tensor([16], device=dev)
     progress("one StaticCache per bucket and per exact size, prefilled")
-    bucket_caches = {b: new_cache(transformers, config, model, b, MAX_CACHE, prompt)
-                     for b in BUCKETS}
+    bucket_caches = {
+        b: new_cache(transformers, config, model, b, MAX_CACHE, prompt) for b in BUCKETS
+    }
     # Exact-size caches at each batch size and at the bucket a padded size runs in: the
     # exact-size graph of the bucket's rows shows what the pad rows cost the GPU.
     exact_sizes = sorted(set(SIZES) | {next(s for s in BUCKETS if s >= b) for b in SIZES})
-    per_size = {b: new_cache(transformers, config, model, b, MAX_CACHE, prompt)
-                for b in exact_sizes}
+    per_size = {
+        b: new_cache(transformers, config, model, b, MAX_CACHE, prompt) for b in exact_sizes
+    }
 
     def refill_all():
         for caches in (bucket_caches, per_size):
@@ -62,16 +73,21 @@ def case_decode(rows, with_compile):
                 refill(cache, model, b, prompt)
 
     def step(ids, pos, cache):
-        return model(input_ids=ids, past_key_values=cache, cache_position=pos,
-                     use_cache=True).logits
+        return model(
+            input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True
+        ).logits
 
     # Graphs against graphs (buckets, exact sizes, hand-written): no payoff check, which
     # may send a GPU-bound key to eager; case (n) measures that.
-    exact = autograph.graphed(step, static_argnames=("cache",), max_graphs=64,
-                              check_payoff=False)
-    bucketed = autograph.graphed(step, buckets=list(BUCKETS), bucket_args={"ids": 0},
-                                 check_payoff=False,
-                                 static_argnames=("cache",), max_graphs=64)
+    exact = autograph.graphed(step, static_argnames=("cache",), max_graphs=64, check_payoff=False)
+    bucketed = autograph.graphed(
+        step,
+        buckets=list(BUCKETS),
+        bucket_args={"ids": 0},
+        check_payoff=False,
+        static_argnames=("cache",),
+        max_graphs=64,
+    )
 
     def bucket_of(b):
         return next(s for s in BUCKETS if s >= b)
@@ -82,27 +98,44 @@ def case_decode(rows, with_compile):
         captured = bucketed.capture(tokens, pos, autograph.per_bucket(bucket_caches))
         sync()
         seconds = time.perf_counter() - start
-        assert sorted(r.bucket for r in captured if r.state == "graphed") == list(BUCKETS), \
-            captured
+        assert sorted(r.bucket for r in captured if r.state == "graphed") == list(BUCKETS), captured
         graph_mib = sum(r.graph_bytes for r in captured) / 2**20
-        add_row(rows, NAME, f"capture() of the {len(BUCKETS)} buckets (per_bucket caches)",
-                seconds, unit="s", kind="autograph",
-                note=f"target < 1 s; graph memory {graph_mib:.1f} MiB (graph_bytes summed); one "
-                     f"StaticCache per bucket passed by static_argnames, given to capture() as "
-                     f"autograph.per_bucket(caches)")
+        add_row(
+            rows,
+            NAME,
+            f"capture() of the {len(BUCKETS)} buckets (per_bucket caches)",
+            seconds,
+            unit="s",
+            kind="autograph",
+            note=f"target < 1 s; graph memory {graph_mib:.1f} MiB (graph_bytes summed); one "
+            f"StaticCache per bucket passed by static_argnames, given to capture() as "
+            f"autograph.per_bucket(caches)",
+        )
         # The same capture by a new function, every shape run once already: autograph's own
         # cost, without the one-time work at a new shape (kernels loaded, cuBLAS's choices)
         # that the first capture() pays and an eager first call at each size pays too.
-        again = autograph.graphed(step, buckets=list(BUCKETS), bucket_args={"ids": 0},
-                                  check_payoff=False, static_argnames=("cache",), max_graphs=64)
+        again = autograph.graphed(
+            step,
+            buckets=list(BUCKETS),
+            bucket_args={"ids": 0},
+            check_payoff=False,
+            static_argnames=("cache",),
+            max_graphs=64,
+        )
         sync()
         start = time.perf_counter()
         again.capture(tokens, pos, autograph.per_bucket(bucket_caches))
         sync()
-        add_row(rows, NAME, f"capture() of the {len(BUCKETS)} buckets again, a new function",
-                time.perf_counter() - start, unit="s", kind="autograph",
-                note="the shapes run before: without the one-time work at each new shape that "
-                     "the first capture() pays (an eager first call pays it too)")
+        add_row(
+            rows,
+            NAME,
+            f"capture() of the {len(BUCKETS)} buckets again, a new function",
+            time.perf_counter() - start,
+            unit="s",
+            kind="autograph",
+            note="the shapes run before: without the one-time work at each new shape that "
+            "the first capture() pays (an eager first call pays it too)",
+        )
         again.reset()
         del again
         # One-time work at a new shape (kernels loaded, cuBLAS's choices), which the first
@@ -116,10 +149,16 @@ def case_decode(rows, with_compile):
             step(tokens[:new_size], pos, per_size[new_size])
             sync()
             seconds.append(time.perf_counter() - start)
-        add_row(rows, NAME, f"eager step at a new size ({new_size} rows), its first call",
-                seconds[0] * 1e3, unit="ms", kind="eager",
-                note=f"the next call {seconds[1] * 1e3:.1f} ms: the difference is one-time work "
-                     f"at a new shape, which the first capture() pays at each bucket too")
+        add_row(
+            rows,
+            NAME,
+            f"eager step at a new size ({new_size} rows), its first call",
+            seconds[0] * 1e3,
+            unit="ms",
+            kind="eager",
+            note=f"the next call {seconds[1] * 1e3:.1f} ms: the difference is one-time work "
+            f"at a new shape, which the first capture() pays at each bucket too",
+        )
         refill_all()
         for b in SIZES:
             progress(f"batch {b}")
@@ -134,36 +173,73 @@ def case_decode(rows, with_compile):
             refill_all()
             got_bucket = bucketed(ids, pos, bucket_cache)
             assert got_bucket.shape == reference.shape, (got_bucket.shape, reference.shape)
-            error = max((got.float() - reference.float()).abs().max().item()
-                        for got in (got_exact, got_bucket))
+            error = max(
+                (got.float() - reference.float()).abs().max().item()
+                for got in (got_exact, got_bucket)
+            )
             refill_all()
-            variants = {"eager": lambda: step(ids, pos, exact_cache),
-                        "exact": lambda: exact(ids, pos, exact_cache),
-                        "buckets": lambda: bucketed(ids, pos, bucket_cache)}
+            variants = {
+                "eager": lambda: step(ids, pos, exact_cache),
+                "exact": lambda: exact(ids, pos, exact_cache),
+                "buckets": lambda: bucketed(ids, pos, bucket_cache),
+            }
             padded_to = bucket_of(b)
             if padded_to != b:
-                variants["exact at the bucket"] = lambda: exact(tokens[:padded_to], pos,
-                                                                per_size[padded_to])
+                variants["exact at the bucket"] = lambda: exact(
+                    tokens[:padded_to], pos, per_size[padded_to]
+                )
             us = side_by_side(variants, calls=50, rounds=5, warmup=5)
             tps = {k: b / v * 1e6 for k, v in us.items()}
-            add_row(rows, NAME, f"batch {b}: eager", tps["eager"], unit="tok/s", kind="eager",
-                    series="eager", x=b, note=f"{us['eager']:.0f} us/step")
-            add_row(rows, NAME, f"batch {b}: autograph, exact-size graph", tps["exact"],
-                    unit="tok/s", kind="autograph", series="exact-size graphs", x=b,
-                    note=f"{us['exact']:.0f} us/step")
-            add_row(rows, NAME, f"batch {b}: autograph, buckets (graph of {bucket_of(b)})",
-                    tps["buckets"], unit="tok/s", kind="autograph", series="buckets", x=b,
-                    ratio=us["buckets"] / us["exact"], ratio_to="exact-size graph",
-                    note=f"{us['buckets']:.0f} us/step; {tps['buckets'] / tps['eager']:.2f}x "
-                         f"eager's tokens/s, {tps['buckets'] / tps['exact']:.3f}x the exact-size "
-                         f"graph's; max |logit error| vs eager {error:.3g}")
+            add_row(
+                rows,
+                NAME,
+                f"batch {b}: eager",
+                tps["eager"],
+                unit="tok/s",
+                kind="eager",
+                series="eager",
+                x=b,
+                note=f"{us['eager']:.0f} us/step",
+            )
+            add_row(
+                rows,
+                NAME,
+                f"batch {b}: autograph, exact-size graph",
+                tps["exact"],
+                unit="tok/s",
+                kind="autograph",
+                series="exact-size graphs",
+                x=b,
+                note=f"{us['exact']:.0f} us/step",
+            )
+            add_row(
+                rows,
+                NAME,
+                f"batch {b}: autograph, buckets (graph of {bucket_of(b)})",
+                tps["buckets"],
+                unit="tok/s",
+                kind="autograph",
+                series="buckets",
+                x=b,
+                ratio=us["buckets"] / us["exact"],
+                ratio_to="exact-size graph",
+                note=f"{us['buckets']:.0f} us/step; {tps['buckets'] / tps['eager']:.2f}x "
+                f"eager's tokens/s, {tps['buckets'] / tps['exact']:.3f}x the exact-size "
+                f"graph's; max |logit error| vs eager {error:.3g}",
+            )
             if padded_to != b:
-                add_row(rows, NAME, f"batch {b}: autograph, exact-size graph of {padded_to} "
-                        f"rows", us["exact at the bucket"], unit="us/step", kind="autograph",
-                        note=f"the bucket's own work, unpadded: the buckets row at {b} rows "
-                             f"takes {us['buckets'] / us['exact at the bucket']:.3f}x its time "
-                             f"(what it takes beyond {b} rows' exact-size graph is the "
-                             f"{padded_to - b} pad rows' work, unless this is well above 1)")
+                add_row(
+                    rows,
+                    NAME,
+                    f"batch {b}: autograph, exact-size graph of {padded_to} rows",
+                    us["exact at the bucket"],
+                    unit="us/step",
+                    kind="autograph",
+                    note=f"the bucket's own work, unpadded: the buckets row at {b} rows "
+                    f"takes {us['buckets'] / us['exact at the bucket']:.3f}x its time "
+                    f"(what it takes beyond {b} rows' exact-size graph is the "
+                    f"{padded_to - b} pad rows' work, unless this is well above 1)",
+                )
         exact_keys = [r for r in exact.stats() if r.state == "graphed"]
         assert len(exact_keys) == len(exact_sizes), exact.stats()
         assert not [r for r in bucketed.stats() if r.state != "graphed"], bucketed.stats()
@@ -175,10 +251,12 @@ def case_decode(rows, with_compile):
         samples = {
             "eager": latencies_us(lambda: step(ids, pos, exact_cache), n=300),
             "autograph.graphed(step, buckets=...)": latencies_us(
-                lambda: bucketed(ids, pos, bucket_cache), n=300),
+                lambda: bucketed(ids, pos, bucket_cache), n=300
+            ),
             "hand-written capture/replay": latencies_us(lambda: hand(ids, pos), n=300),
         }
         for variant, values in samples.items():
             p50, p99 = percentile(values, 50), percentile(values, 99)
-            add_row(rows, LATENCY, f"{variant}: P50", p50, unit="us", note=f"P99 {p99:.0f} us",
-                    p99=p99)
+            add_row(
+                rows, LATENCY, f"{variant}: P50", p50, unit="us", note=f"P99 {p99:.0f} us", p99=p99
+            )

@@ -19,6 +19,7 @@ Tokens per second (median of interleaved rounds), each variant's first call in t
 the compiled path, first call <= 0.5 s, tokens equal; compile=True >= 1.6x autograph.generate;
 at batch 8 >= 1.8x the region. About 60-90 s on an H200 (two compiles of ~15 s each).
 """
+
 from __future__ import annotations
 
 import copy
@@ -61,14 +62,16 @@ def _variants(transformers, config, model, copies, with_compile):
     # region's tokens come from the same attention shapes, so they are the exact reference.
     cache = transformers.StaticCache(config=config, max_cache_len=CACHE_LENGTH)
     # transformers >= 5.18 names it cache (past_key_values still works, with a warning)
-    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters \
-        else "past_key_values"
+    cache_name = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
 
     def in_region(ids):
-        cache.reset()   # in place: the addresses the region's graphs read hold
+        cache.reset()  # in place: the addresses the region's graphs read hold
         with autograph.region():
-            return copies["region"].generate(ids, disable_compile=True, **{cache_name: cache},
-                                             **greedy)
+            return copies["region"].generate(
+                ids, disable_compile=True, **{cache_name: cache}, **greedy
+            )
 
     variants = {
         "generate() eager": lambda ids: model.generate(ids, **greedy),
@@ -76,10 +79,12 @@ def _variants(transformers, config, model, copies, with_compile):
         "autograph.generate": lambda ids: autograph.generate(copies["autograph"], ids, **greedy),
     }
     if with_compile:
-        variants['transformers compiled (cache_implementation="static")'] = \
-            lambda ids: copies["compiled"].generate(ids, cache_implementation="static", **greedy)
+        variants['transformers compiled (cache_implementation="static")'] = lambda ids: copies[
+            "compiled"
+        ].generate(ids, cache_implementation="static", **greedy)
         variants["autograph.generate(compile=True)"] = lambda ids: autograph.generate(
-            copies["autograph compile"], ids, compile=COMPILE, **greedy)
+            copies["autograph compile"], ids, compile=COMPILE, **greedy
+        )
     return variants
 
 
@@ -97,8 +102,11 @@ def _first_calls(variants, ids):
 
 
 def _graph_mib(rows):
-    steps = [r for r in autograph.stats() if r.function.startswith("generate_decode_step[")
-             and r.function.endswith(f" {rows} rows]")]
+    steps = [
+        r
+        for r in autograph.stats()
+        if r.function.startswith("generate_decode_step[") and r.function.endswith(f" {rows} rows]")
+    ]
     return sum(r.graph_bytes for r in steps) / 2**20
 
 
@@ -109,44 +117,61 @@ def _batch(rows_out, transformers, config, model, copies, rows, with_compile):
     firsts, memory = _first_calls(variants, ids)
     times = {name: [] for name in variants}
     equal = {name: {"eager": True, "region": True} for name in variants}
-    for _ in range(ROUNDS):   # interleaved: a drift of the machine hits every variant alike
+    for _ in range(ROUNDS):  # interleaved: a drift of the machine hits every variant alike
         outs = {}
         for name, call in variants.items():
             seconds, outs[name] = _seconds(call, ids)
             times[name].append(seconds)
         for name, out in outs.items():
-            for reference, label in ((outs["generate() eager"], "eager"),
-                                     (outs[REGION], "region")):
-                equal[name][label] &= out.shape == reference.shape and \
-                    torch.equal(out, reference)
+            for reference, label in ((outs["generate() eager"], "eager"), (outs[REGION], "region")):
+                equal[name][label] &= out.shape == reference.shape and torch.equal(out, reference)
     rates = {name: rows * NEW_TOKENS / statistics.median(t) for name, t in times.items()}
     region = rates[REGION]
     compiled = rates.get('transformers compiled (cache_implementation="static")')
     for name, rate in rates.items():
-        note = (f"first call {firsts[name]:.2f} s; {rate / rates['generate() eager']:.2f}x "
-                f"eager, {rate / region:.2f}x the region")
+        note = (
+            f"first call {firsts[name]:.2f} s; {rate / rates['generate() eager']:.2f}x "
+            f"eager, {rate / region:.2f}x the region"
+        )
         if compiled:
             note += f", {rate / compiled:.2f}x transformers compiled"
         note += "; tokens " + ", ".join(
-            f"{'equal' if same else 'DIFFER from'} {label}'s"
-            for label, same in equal[name].items())
+            f"{'equal' if same else 'DIFFER from'} {label}'s" for label, same in equal[name].items()
+        )
         if name.startswith("autograph.generate") and name in memory:
-            note += (f"; its first call allocated {memory[name]:.1f} MiB (cache, state, "
-                     f"graphs), graph_bytes {_graph_mib(rows):.1f} MiB")
+            note += (
+                f"; its first call allocated {memory[name]:.1f} MiB (cache, state, "
+                f"graphs), graph_bytes {_graph_mib(rows):.1f} MiB"
+            )
         if name == "autograph.generate(compile=True)":
             note += f"; {rate / rates['autograph.generate']:.2f}x autograph.generate"
-        add_row(rows_out, NAME, f"batch {rows}: {name}", rate, unit="tok/s", x=rows,
-                series=name, first_call_s=firsts[name], tokens_equal_eager=equal[name]["eager"],
-                tokens_equal_region=equal[name]["region"], note=note)
+        add_row(
+            rows_out,
+            NAME,
+            f"batch {rows}: {name}",
+            rate,
+            unit="tok/s",
+            x=rows,
+            series=name,
+            first_call_s=firsts[name],
+            tokens_equal_eager=equal[name]["eager"],
+            tokens_equal_region=equal[name]["region"],
+            note=note,
+        )
 
 
 def case_generate(rows, with_compile):
     transformers, config, model = llama_setup()
-    model.generation_config.eos_token_id = None   # every call makes its 64 tokens
+    model.generation_config.eos_token_id = None  # every call makes its 64 tokens
     with torch.no_grad():
-        model.generate(torch.zeros(1, PROMPT, dtype=torch.long, device=device()),
-                       max_new_tokens=2, do_sample=False)   # CUDA and cuBLAS set up first
-    copies = {name: copy.deepcopy(model) for name in
-              ("region", "compiled", "autograph", "autograph compile")}
+        model.generate(
+            torch.zeros(1, PROMPT, dtype=torch.long, device=device()),
+            max_new_tokens=2,
+            do_sample=False,
+        )  # CUDA and cuBLAS set up first
+    copies = {
+        name: copy.deepcopy(model)
+        for name in ("region", "compiled", "autograph", "autograph compile")
+    }
     for batch in (1, 8):
         _batch(rows, transformers, config, model, copies, batch, with_compile)

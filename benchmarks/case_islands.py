@@ -10,17 +10,18 @@ three, one generate() call each; tokens are checked against the same round's eag
 compiles the decode step itself with CUDA graphs (torch.compile's CUDAGraph Trees), and
 autograph.graphed(model.generate) around that path fails ("tensors in the cudagraph pool not
 tracked as outputs", seen on the H200): a limit, in docs/guide/limits.md."""
+
 from __future__ import annotations
 
 import copy
 import statistics
 
 import torch
+from case_llama import llama_setup
+from case_never_slower import _seconds
 
 import autograph
 from autograph.cli._bench import SMOKE, add_row, device, progress
-from case_llama import llama_setup
-from case_never_slower import _seconds
 
 NAME = "(i) islands: generate() of the 8x512 Llama, batch 1, the user's StaticCache"
 NEW_TOKENS = 8 if SMOKE else 64
@@ -32,23 +33,32 @@ def case_islands(rows, with_compile):
     transformers, config, model = llama_setup()
     ids = torch.randint(0, 1024, (1, 16), device=device())
     region_model, island_model = copy.deepcopy(model), copy.deepcopy(model)
-    caches = {id(m): transformers.StaticCache(config=config,
-                                              max_cache_len=ids.shape[1] + NEW_TOKENS)
-              for m in (model, region_model, island_model)}
+    caches = {
+        id(m): transformers.StaticCache(config=config, max_cache_len=ids.shape[1] + NEW_TOKENS)
+        for m in (model, region_model, island_model)
+    }
     graphed_generate = autograph.graphed(island_model.generate)
 
     def run(m, generate):
         cache = caches[id(m)]
         cache.reset()  # in place: the addresses the graphs read hold
-        return generate(ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
-                        disable_compile=True)
+        return generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            disable_compile=True,
+        )
 
     def in_region():
         with autograph.region():
             return run(region_model, region_model.generate)
 
-    calls = {"eager": lambda: run(model, model.generate), "region": in_region,
-             "islands": lambda: run(island_model, graphed_generate)}
+    calls = {
+        "eager": lambda: run(model, model.generate),
+        "region": in_region,
+        "islands": lambda: run(island_model, graphed_generate),
+    }
     times = {name: [] for name in calls}
     with torch.inference_mode():
         progress("generate(): eager, in a region, graphed (islands)")
@@ -68,14 +78,29 @@ def case_islands(rows, with_compile):
     rows_of_generate = autograph.stats(graphed_generate)
     islands = [r for r in rows_of_generate if " > " in r.function]
     add_row(rows, NAME, "eager generate()", rates["eager"], unit="tok/s", kind="eager")
-    add_row(rows, NAME, "generate() in autograph.region()", rates["region"], unit="tok/s",
-            kind="autograph", note=f"first call {first['region']:.2f} s; "
-            f"{rates['region'] / rates['eager']:.3f}x eager's tokens/s")
-    add_row(rows, NAME, "autograph.graphed(model.generate)", rates["islands"], unit="tok/s",
-            kind="autograph",
-            note=(f"first call {first['islands']:.2f} s; its key "
-                  f"{rows_of_generate[0].state if rows_of_generate else 'none'}; "
-                  f"{sum(r.replays for r in islands)} island replays in {len(islands)} "
-                  f"island keys; {rates['islands'] / rates['eager']:.3f}x eager's, "
-                  f"{rates['islands'] / rates['region']:.3f}x the region's tokens/s"))
+    add_row(
+        rows,
+        NAME,
+        "generate() in autograph.region()",
+        rates["region"],
+        unit="tok/s",
+        kind="autograph",
+        note=f"first call {first['region']:.2f} s; "
+        f"{rates['region'] / rates['eager']:.3f}x eager's tokens/s",
+    )
+    add_row(
+        rows,
+        NAME,
+        "autograph.graphed(model.generate)",
+        rates["islands"],
+        unit="tok/s",
+        kind="autograph",
+        note=(
+            f"first call {first['islands']:.2f} s; its key "
+            f"{rows_of_generate[0].state if rows_of_generate else 'none'}; "
+            f"{sum(r.replays for r in islands)} island replays in {len(islands)} "
+            f"island keys; {rates['islands'] / rates['eager']:.3f}x eager's, "
+            f"{rates['islands'] / rates['region']:.3f}x the region's tokens/s"
+        ),
+    )
     return rows

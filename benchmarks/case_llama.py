@@ -4,16 +4,17 @@ step function, a region) and torch.compile(mode="reduce-overhead").
 About 45 s on an H200: eager timing ~10 s, compile ~15 s, the rest a few seconds each.
 
 Also the Llama helpers of cases (f) and (g)."""
+
 from __future__ import annotations
 
 import copy
 import time
 
 import torch
+from case_mlp import compiled
 
 import autograph
 from autograph.cli._bench import add_row, device, hand_written, progress, sync, timed, with_ratio
-from case_mlp import compiled
 
 NAME = "(b) HF Llama decode step, 8x512, StaticCache 2048"
 
@@ -27,9 +28,14 @@ def llama_setup(layers=8):
     if dev != "cuda":
         layers = min(layers, 2)
     config = transformers.LlamaConfig(
-        hidden_size=512, intermediate_size=2048, num_hidden_layers=layers,
-        num_attention_heads=8, num_key_value_heads=8, vocab_size=1024,
-        max_position_embeddings=2048)
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=1024,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dev)
     if dev == "cuda":
@@ -60,8 +66,12 @@ def refill(cache, model, batch, prompt=None):
         generator = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, 1024, (batch, 16), generator=generator)
     with torch.inference_mode():
-        model(input_ids=prompt[:batch].to(dev), past_key_values=cache,
-              cache_position=torch.arange(16, device=dev), use_cache=True)
+        model(
+            input_ids=prompt[:batch].to(dev),
+            past_key_values=cache,
+            cache_position=torch.arange(16, device=dev),
+            use_cache=True,
+        )
 
 
 def stepper(transformers, config, m, prefill_model=None, max_cache_len=2048):
@@ -70,8 +80,8 @@ def stepper(transformers, config, m, prefill_model=None, max_cache_len=2048):
     cache = new_cache(transformers, config, prefill_model or m, 1, max_cache_len)
 
     def step(ids, pos):
-        return m(input_ids=ids, past_key_values=cache, cache_position=pos,
-                 use_cache=True).logits
+        return m(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
     step.cache, step.prefill_model = cache, prefill_model or m  # for refill(...)
     return step
 
@@ -89,10 +99,17 @@ def case_llama(rows, with_compile):
         eager = make(model)
         timed(rows, NAME, "eager", lambda: eager(ids, pos), kind="eager")
         hand = hand_written(make(model), [ids, pos])
-        hand_us = timed(rows, NAME, "hand-written capture/replay", lambda: hand(ids, pos),
-                        kind="hand")
-    add_row(rows, NAME, "make_graphed_callables", None, kind="hand",
-            note="takes tensors only; the StaticCache argument is not a tensor")
+        hand_us = timed(
+            rows, NAME, "hand-written capture/replay", lambda: hand(ids, pos), kind="hand"
+        )
+    add_row(
+        rows,
+        NAME,
+        "make_graphed_callables",
+        None,
+        kind="hand",
+        note="takes tensors only; the StaticCache argument is not a tensor",
+    )
     graphed_model = autograph.graphed(copy.deepcopy(model))
     with torch.inference_mode():
         step = make(graphed_model)
@@ -102,17 +119,33 @@ def case_llama(rows, with_compile):
         step(ids, pos)
         sync()
         first = time.perf_counter() - start
-        us = timed(rows, NAME, "autograph.graphed(model)", lambda: step(ids, pos),
-                   note=f"first call (warmup+capture) {first:.2f} s;", kind="autograph")
+        us = timed(
+            rows,
+            NAME,
+            "autograph.graphed(model)",
+            lambda: step(ids, pos),
+            note=f"first call (warmup+capture) {first:.2f} s;",
+            kind="autograph",
+        )
         with_ratio(rows, us, hand_us)
         decorated = autograph.graphed(make(copy.deepcopy(model)))
-        decorated_us = timed(rows, NAME, "autograph.graphed(step function)",
-                             lambda: decorated(ids, pos), kind="autograph")
+        decorated_us = timed(
+            rows,
+            NAME,
+            "autograph.graphed(step function)",
+            lambda: decorated(ids, pos),
+            kind="autograph",
+        )
         with_ratio(rows, decorated_us, hand_us)
         in_region = make(copy.deepcopy(model))
         with autograph.region():
-            us = timed(rows, NAME, "HF decode in autograph.region()", lambda: in_region(ids, pos),
-                       kind="autograph")
+            us = timed(
+                rows,
+                NAME,
+                "HF decode in autograph.region()",
+                lambda: in_region(ids, pos),
+                kind="autograph",
+            )
         with_ratio(rows, us, hand_us)
         if us and decorated_us:
             rows.note(f"{us / decorated_us:.3f}x the decorated step", sep=", ")
@@ -123,8 +156,20 @@ def case_llama(rows, with_compile):
             progress("compiling (reduce-overhead)")
             with torch.inference_mode():
                 fn, seconds = compiled(make(copy.deepcopy(model)), (ids, pos))
-                timed(rows, NAME, 'torch.compile("reduce-overhead")', lambda: fn(ids, pos),
-                      note=f"first 3 calls {seconds:.1f} s", kind="compile")
+                timed(
+                    rows,
+                    NAME,
+                    'torch.compile("reduce-overhead")',
+                    lambda: fn(ids, pos),
+                    note=f"first 3 calls {seconds:.1f} s",
+                    kind="compile",
+                )
         except Exception as error:
-            add_row(rows, NAME, 'torch.compile("reduce-overhead")', None, kind="compile",
-                    note=f"{type(error).__name__}")
+            add_row(
+                rows,
+                NAME,
+                'torch.compile("reduce-overhead")',
+                None,
+                kind="compile",
+                note=f"{type(error).__name__}",
+            )

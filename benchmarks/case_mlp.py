@@ -2,6 +2,7 @@
 capture/replay loop, make_graphed_callables, autograph (module and function),
 torch.compile(mode="reduce-overhead"), and autograph around torch.compile (the compiled module,
 and a compiled step function). About 30 s on an H200 (compile 15 s of it)."""
+
 from __future__ import annotations
 
 import copy
@@ -10,8 +11,16 @@ import time
 import torch
 
 import autograph
-from autograph.cli._bench import compile_for_bench, device, hand_written, mlp, progress, sync, \
-    timed, with_ratio
+from autograph.cli._bench import (
+    compile_for_bench,
+    device,
+    hand_written,
+    mlp,
+    progress,
+    sync,
+    timed,
+    with_ratio,
+)
 
 NAME = "(a) MLP 32x512 bf16, batch 1"
 
@@ -43,8 +52,9 @@ def case_mlp(rows, with_compile):
             mgc = torch.cuda.make_graphed_callables(copy.deepcopy(model), (x.clone(),))
             timed(rows, NAME, "make_graphed_callables", lambda: mgc(x), kind="hand")
         graphed_module = autograph.graphed(copy.deepcopy(model))
-        us = timed(rows, NAME, "autograph.graphed(module)", lambda: graphed_module(x),
-                   kind="autograph")
+        us = timed(
+            rows, NAME, "autograph.graphed(module)", lambda: graphed_module(x), kind="autograph"
+        )
         with_ratio(rows, us, hand_us)
         inner = copy.deepcopy(model)
         step = autograph.graphed(lambda x: inner(x))
@@ -54,21 +64,34 @@ def case_mlp(rows, with_compile):
         if with_compile:
             progress("compiling (reduce-overhead)")
             fn, seconds = compiled(copy.deepcopy(model), (x,))
-            compile_us = timed(rows, NAME, 'torch.compile("reduce-overhead")', lambda: fn(x),
-                               note=f"first 3 calls {seconds:.1f} s", kind="compile")
+            compile_us = timed(
+                rows,
+                NAME,
+                'torch.compile("reduce-overhead")',
+                lambda: fn(x),
+                note=f"first 3 calls {seconds:.1f} s",
+                kind="compile",
+            )
             progress("compiling for autograph (default mode)")
             inner = copy.deepcopy(model)
             variants = {
-                "autograph.graphed(torch.compile(model))":
-                    autograph.graphed(compile_for_bench(copy.deepcopy(model))),
-                "autograph.graphed(torch.compile(step))":
-                    autograph.graphed(compile_for_bench(lambda x: inner(x))),
+                "autograph.graphed(torch.compile(model))": autograph.graphed(
+                    compile_for_bench(copy.deepcopy(model))
+                ),
+                "autograph.graphed(torch.compile(step))": autograph.graphed(
+                    compile_for_bench(lambda x: inner(x))
+                ),
             }
             for variant, graphed in variants.items():
                 seconds = first_calls(graphed, (x,))
                 error = (graphed(x).float() - model(x).float()).abs().max().item()
-                us = timed(rows, NAME, variant, lambda: graphed(x), kind="autograph",
-                           note=f"first 3 calls {seconds:.1f} s; max |error| vs eager "
-                                f"{error:.3g}; keys: "
-                                + ", ".join(r.state for r in autograph.stats(graphed)))
+                us = timed(
+                    rows,
+                    NAME,
+                    variant,
+                    lambda: graphed(x),
+                    kind="autograph",
+                    note=f"first 3 calls {seconds:.1f} s; max |error| vs eager "
+                    f"{error:.3g}; keys: " + ", ".join(r.state for r in autograph.stats(graphed)),
+                )
                 with_ratio(rows, us, compile_us, "reduce-overhead")

@@ -15,6 +15,7 @@ by side in one process, with tokens (or outputs) checked equal.
 The rounds interleave eager and autograph, one generate() call (or 50 MLP calls) each, so a
 drift of the machine hits both alike. About 60-90 s on an H200 (the first generate() calls of
 the default-cache region, which watch every new key until the keys churn, take seconds)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,11 +23,19 @@ import statistics
 import time
 
 import torch
+from case_llama import llama_setup
 
 import autograph
-from autograph.cli._bench import SMOKE, add_row, device, mlp, progress, side_by_side, sync, \
-    with_ratio
-from case_llama import llama_setup
+from autograph.cli._bench import (
+    SMOKE,
+    add_row,
+    device,
+    mlp,
+    progress,
+    side_by_side,
+    sync,
+    with_ratio,
+)
 
 NAME = "(n) never slower: HF generate() in a region, 8x512 Llama, batch 1"
 MLP_NAME = "(n) never slower: GPU-bound MLP 8x4096, batch 2048, bf16"
@@ -46,6 +55,7 @@ def _seconds(call):
 def _generate_rows(rows, label, model, region_model, ids, options):
     """Eager and in-a-region generate(), interleaved, ``options()`` giving each call's extra
     arguments; returns the region's tokens/s and its row."""
+
     def eager():
         return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **options())
 
@@ -53,8 +63,9 @@ def _generate_rows(rows, label, model, region_model, ids, options):
 
     def in_region():
         with autograph.region() as region:
-            tokens = region_model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                           **options())
+            tokens = region_model.generate(
+                ids, max_new_tokens=NEW_TOKENS, do_sample=False, **options()
+            )
         last[:] = [region.stats()]
         return tokens
 
@@ -75,13 +86,22 @@ def _generate_rows(rows, label, model, region_model, ids, options):
     rates = {name: NEW_TOKENS * ids.shape[0] / statistics.median(t) for name, t in times.items()}
     add_row(rows, NAME, f"{label}: eager", rates["eager"], unit="tok/s", kind="eager")
     stats = last[0]
-    add_row(rows, NAME, f"{label}: autograph.region()", rates["region"], unit="tok/s",
-            kind="autograph", speed_ratio=rates["region"] / rates["eager"],
-            note=(f"{rates['region'] / rates['eager']:.3f}x eager's tokens/s; first call "
-                  f"{first:.2f} s; its last call: {stats.captures} captures, "
-                  f"{stats.replays} replays, {stats.eager_calls} eager calls "
-                  f"({stats.passed_through} passed through), {len(stats.keys)} keys; "
-                  f"tokens equal eager's"))
+    add_row(
+        rows,
+        NAME,
+        f"{label}: autograph.region()",
+        rates["region"],
+        unit="tok/s",
+        kind="autograph",
+        speed_ratio=rates["region"] / rates["eager"],
+        note=(
+            f"{rates['region'] / rates['eager']:.3f}x eager's tokens/s; first call "
+            f"{first:.2f} s; its last call: {stats.captures} captures, "
+            f"{stats.replays} replays, {stats.eager_calls} eager calls "
+            f"({stats.passed_through} passed through), {len(stats.keys)} keys; "
+            f"tokens equal eager's"
+        ),
+    )
     return rates["region"], rows[-1]
 
 
@@ -93,14 +113,21 @@ def case_never_slower(rows, with_compile):
     with torch.inference_mode():
         progress("generate() with the default cache")
         model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)  # warms eager up
-        _generate_rows(rows, "DynamicCache (default)", model, copy.deepcopy(model), ids,
-                       options=dict)
+        _generate_rows(
+            rows, "DynamicCache (default)", model, copy.deepcopy(model), ids, options=dict
+        )
         progress('generate(cache_implementation="static")')
-        model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                       cache_implementation="static")
+        model.generate(
+            ids, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static"
+        )
         static_rate, static_row = _generate_rows(
-            rows, 'cache_implementation="static"', model, copy.deepcopy(model), ids,
-            options=lambda: {"cache_implementation": "static"})
+            rows,
+            'cache_implementation="static"',
+            model,
+            copy.deepcopy(model),
+            ids,
+            options=lambda: {"cache_implementation": "static"},
+        )
         progress("generate() with the user's own StaticCache")
         cache_len = ids.shape[1] + NEW_TOKENS
         caches = {}
@@ -108,18 +135,26 @@ def case_never_slower(rows, with_compile):
         def users_cache(m):
             cache = caches.get(id(m))
             if cache is None:
-                cache = caches[id(m)] = transformers.StaticCache(config=config,
-                                                                 max_cache_len=cache_len)
+                cache = caches[id(m)] = transformers.StaticCache(
+                    config=config, max_cache_len=cache_len
+                )
             cache.reset()  # in place: the addresses a graph reads hold
             return {"past_key_values": cache}
 
         region_model = copy.deepcopy(model)
         model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, **users_cache(model))
         user_rate, _ = _generate_rows(
-            rows, "the user's StaticCache", _Caller(model, users_cache),
-            _Caller(region_model, users_cache), ids, options=dict)
-        static_row["note"] += (f"; {static_rate / user_rate:.3f}x the user-StaticCache "
-                               f"region's tokens/s (target >= 0.9x)")
+            rows,
+            "the user's StaticCache",
+            _Caller(model, users_cache),
+            _Caller(region_model, users_cache),
+            ids,
+            options=dict,
+        )
+        static_row["note"] += (
+            f"; {static_rate / user_rate:.3f}x the user-StaticCache "
+            f"region's tokens/s (target >= 0.9x)"
+        )
 
 
 class _Caller:
@@ -143,15 +178,34 @@ def _gpu_bound_mlp(rows, dev):
     unchecked = autograph.graphed(copy.deepcopy(model), check_payoff=False)
     with torch.no_grad():
         expected = model(x)
-        us = side_by_side({"eager": lambda: model(x), "autograph": lambda: graphed(x),
-                           "unchecked": lambda: unchecked(x)}, calls=50, rounds=7)
+        us = side_by_side(
+            {
+                "eager": lambda: model(x),
+                "autograph": lambda: graphed(x),
+                "unchecked": lambda: unchecked(x),
+            },
+            calls=50,
+            rounds=7,
+        )
         assert torch.equal(graphed(x), expected) and torch.equal(unchecked(x), expected)
     add_row(rows, MLP_NAME, "eager", us["eager"], kind="eager")
     row = autograph.stats(graphed)[0]  # its own key; an island's rows follow if it is eager
     gain = "not measured" if row.gain is None else f"measured gain {row.gain:.3f}x"
-    add_row(rows, MLP_NAME, "autograph.graphed(model)", us["autograph"], kind="autograph",
-            note=f"key {row.state}, {gain}")
+    add_row(
+        rows,
+        MLP_NAME,
+        "autograph.graphed(model)",
+        us["autograph"],
+        kind="autograph",
+        note=f"key {row.state}, {gain}",
+    )
     with_ratio(rows, us["autograph"], us["eager"], "eager")
-    add_row(rows, MLP_NAME, "autograph.graphed(model, check_payoff=False)", us["unchecked"],
-            kind="autograph", note=f"key {autograph.stats(unchecked)[0].state}")
+    add_row(
+        rows,
+        MLP_NAME,
+        "autograph.graphed(model, check_payoff=False)",
+        us["unchecked"],
+        kind="autograph",
+        note=f"key {autograph.stats(unchecked)[0].state}",
+    )
     with_ratio(rows, us["unchecked"], us["eager"], "eager")

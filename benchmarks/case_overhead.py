@@ -10,6 +10,7 @@ process by swapping ``autograph._config.ENV``), inside ``autograph.region(enable
 CPU tensors (no CUDA graph: they run eagerly), a module called in a disabled region, and a
 graphed function on a machine without CUDA (a subprocess with ``CUDA_VISIBLE_DEVICES=""``).
 About 30 s on an H200."""
+
 from __future__ import annotations
 
 import contextlib
@@ -49,6 +50,7 @@ def hand_loop(tensors):
         torch._foreach_copy_(statics, args)
         graph.replay()
         return out.clone()
+
     return call, graph
 
 
@@ -92,18 +94,38 @@ def _disabled_in_a_region():
 
 def without_cuda() -> dict:
     """The bare and graphed call's cost in a process that sees no GPU."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
-               os.path.abspath(autograph.__file__))), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", _WITHOUT_CUDA], env=env, capture_output=True,
-                         text=True, timeout=300, check=True).stdout
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(
+            filter(
+                None,
+                [
+                    os.path.dirname(os.path.dirname(os.path.abspath(autograph.__file__))),
+                    os.environ.get("PYTHONPATH"),
+                ],
+            )
+        ),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_CUDA],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def case_overhead(rows, with_compile):
     dev = device()
-    series = {"eager": "eager", "hand": "hand loop (_foreach_copy_)", "replay": "replay alone",
-              "autograph": "autograph.graphed"}
+    series = {
+        "eager": "eager",
+        "hand": "hand loop (_foreach_copy_)",
+        "replay": "replay alone",
+        "autograph": "autograph.graphed",
+    }
     kinds = {"eager": "eager", "hand": "hand", "replay": "hand", "autograph": "autograph"}
     figures = {key: [] for key in series}
     with torch.no_grad():
@@ -116,30 +138,63 @@ def case_overhead(rows, with_compile):
             step = autograph.graphed(catn, check_payoff=False)
             assert torch.equal(step(*tensors), catn(*tensors))
             assert torch.equal(hand(*tensors), catn(*tensors))
-            us = side_by_side({"eager": lambda: catn(*tensors), "hand": lambda: hand(*tensors),
-                               "replay": graph.replay, "autograph": lambda: step(*tensors)},
-                              calls=500, rounds=9)
+            us = side_by_side(
+                {
+                    "eager": lambda: catn(*tensors),
+                    "hand": lambda: hand(*tensors),
+                    "replay": graph.replay,
+                    "autograph": lambda: step(*tensors),
+                },
+                calls=500,
+                rounds=9,
+            )
             assert step.stats()[0].state == "graphed", step.stats()
             for key, name in series.items():
                 figures[key].append(us[key])
                 note = ""
                 if key == "autograph":
-                    note = (f"{us['autograph'] - us['hand']:+.2f} us over the hand loop, "
-                            f"{us['autograph'] / us['hand']:.3f}x")
-                add_row(rows, NAME, f"N={n}: {name}", us[key], note=note, kind=kinds[key],
-                        series=name, x=n)
+                    note = (
+                        f"{us['autograph'] - us['hand']:+.2f} us over the hand loop, "
+                        f"{us['autograph'] / us['hand']:.3f}x"
+                    )
+                add_row(
+                    rows,
+                    NAME,
+                    f"N={n}: {name}",
+                    us[key],
+                    note=note,
+                    kind=kinds[key],
+                    series=name,
+                    x=n,
+                )
         for key in ("autograph", "hand", "eager"):
             per_arg = slope(NS, figures[key])
             note = ""
             if key == "autograph":
                 extra = per_arg - slope(NS, figures["hand"])
-                note = (f"{extra:+.3f} us/arg over the hand loop's slope; target <= 0.3 us "
-                        f"per extra argument: {'met' if per_arg <= 0.3 else 'NOT met'}")
-            add_row(rows, NAME, f"slope per extra argument: {series[key]}", per_arg,
-                    unit="us/arg", note=note, kind=kinds[key])
+                note = (
+                    f"{extra:+.3f} us/arg over the hand loop's slope; target <= 0.3 us "
+                    f"per extra argument: {'met' if per_arg <= 0.3 else 'NOT met'}"
+                )
+            add_row(
+                rows,
+                NAME,
+                f"slope per extra argument: {series[key]}",
+                per_arg,
+                unit="us/arg",
+                note=note,
+                kind=kinds[key],
+            )
         over = figures["autograph"][0] - figures["hand"][0]
-        add_row(rows, NAME, "autograph minus hand loop at N=1", over, unit="us",
-                note=f"target <= 2 us: {'met' if over <= 2 else 'NOT met'}", kind="autograph")
+        add_row(
+            rows,
+            NAME,
+            "autograph minus hand loop at N=1",
+            over,
+            unit="us",
+            note=f"target <= 2 us: {'met' if over <= 2 else 'NOT met'}",
+            kind="autograph",
+        )
 
         progress("disabled paths")
         tensors = [torch.randn(64, device=dev) for _ in range(4)]
@@ -158,34 +213,72 @@ def case_overhead(rows, with_compile):
             "bare cpu": lambda: catn(*cpu),
             "cpu": lambda: on_cpu(*cpu),
         }
-        contexts = {"env": autograph_disabled,
-                    "region": lambda: autograph.region(enabled=False),
-                    "module in region": lambda: autograph.region(enabled=False),
-                    "graphed module, env": autograph_disabled,
-                    "module in region, env": _disabled_in_a_region}
+        contexts = {
+            "env": autograph_disabled,
+            "region": lambda: autograph.region(enabled=False),
+            "module in region": lambda: autograph.region(enabled=False),
+            "graphed module, env": autograph_disabled,
+            "module in region, env": _disabled_in_a_region,
+        }
         us = side_by_side(variants, calls=2000, rounds=9, contexts=contexts)
         checks = [
-            ("AUTOGRAPH_DISABLE=1: graphed function, 4 CUDA tensors", "env", "bare",
-             not off_env.stats()),
-            ("autograph.region(enabled=False): graphed function", "region", "bare",
-             not off_region.stats()),
-            ("autograph.region(enabled=False): plain nn.Module call", "module in region",
-             "bare module", True),
-            ("AUTOGRAPH_DISABLE=1: graphed nn.Module", "graphed module, env", "bare module",
-             not autograph.stats(graphed_module)),
-            ("AUTOGRAPH_DISABLE=1: plain nn.Module call in autograph.region()",
-             "module in region, env", "bare module", not autograph.stats(module)),
-            ("graphed function on 4 CPU tensors (runs eagerly)", "cpu", "bare cpu",
-             all(r.state == "eager" for r in on_cpu.stats()) or dev != "cuda"),
+            (
+                "AUTOGRAPH_DISABLE=1: graphed function, 4 CUDA tensors",
+                "env",
+                "bare",
+                not off_env.stats(),
+            ),
+            (
+                "autograph.region(enabled=False): graphed function",
+                "region",
+                "bare",
+                not off_region.stats(),
+            ),
+            (
+                "autograph.region(enabled=False): plain nn.Module call",
+                "module in region",
+                "bare module",
+                True,
+            ),
+            (
+                "AUTOGRAPH_DISABLE=1: graphed nn.Module",
+                "graphed module, env",
+                "bare module",
+                not autograph.stats(graphed_module),
+            ),
+            (
+                "AUTOGRAPH_DISABLE=1: plain nn.Module call in autograph.region()",
+                "module in region, env",
+                "bare module",
+                not autograph.stats(module),
+            ),
+            (
+                "graphed function on 4 CPU tensors (runs eagerly)",
+                "cpu",
+                "bare cpu",
+                all(r.state == "eager" for r in on_cpu.stats()) or dev != "cuda",
+            ),
         ]
         alone = without_cuda()
         us["no cuda"], us["bare no cuda"] = alone["graphed"], alone["bare"]
-        checks.append(("graphed function on a machine without CUDA (4 CPU tensors)", "no cuda",
-                       "bare no cuda", not alone["cuda"] and alone["states"] == ["eager"]))
+        checks.append(
+            (
+                "graphed function on a machine without CUDA (4 CPU tensors)",
+                "no cuda",
+                "bare no cuda",
+                not alone["cuda"] and alone["states"] == ["eager"],
+            )
+        )
         for variant, key, bare, no_graph in checks:
             extra = us[key] - us[bare]
-            add_row(rows, DISABLED, variant, extra, unit="us",
-                    note=f"bare {us[bare]:.2f} us, through autograph {us[key]:.2f} us; "
-                         f"target <= 1 us: {'met' if extra <= 1 else 'NOT met'}"
-                         + ("" if no_graph else "; UNEXPECTED: it captured a graph"),
-                    kind="autograph")
+            add_row(
+                rows,
+                DISABLED,
+                variant,
+                extra,
+                unit="us",
+                note=f"bare {us[bare]:.2f} us, through autograph {us[key]:.2f} us; "
+                f"target <= 1 us: {'met' if extra <= 1 else 'NOT met'}"
+                + ("" if no_graph else "; UNEXPECTED: it captured a graph"),
+                kind="autograph",
+            )

@@ -1,13 +1,14 @@
 """(c) One kernel (torch.cat) of four small tensors, where the wrapper's own cost shows fully:
 eager, a hand-written loop (one copy_ per argument), make_graphed_callables, autograph and
 torch.compile(mode="reduce-overhead"). About 10 s on an H200 (compile 2 s of it)."""
+
 from __future__ import annotations
 
 import torch
+from case_mlp import compiled
 
 import autograph
 from autograph.cli._bench import device, hand_written, progress, timed, with_ratio
-from case_mlp import compiled
 
 NAME = "(c) one kernel, four small tensors"
 
@@ -22,8 +23,9 @@ def case_small(rows, with_compile):
     with torch.no_grad():
         timed(rows, NAME, "eager", lambda: cat4(*tensors), kind="eager")
         hand = hand_written(cat4, tensors)
-        hand_us = timed(rows, NAME, "hand-written capture/replay", lambda: hand(*tensors),
-                        kind="hand")
+        hand_us = timed(
+            rows, NAME, "hand-written capture/replay", lambda: hand(*tensors), kind="hand"
+        )
         if dev == "cuda":
             mgc = torch.cuda.make_graphed_callables(cat4, tuple(t.clone() for t in tensors))
             timed(rows, NAME, "make_graphed_callables", lambda: mgc(*tensors), kind="hand")
@@ -36,5 +38,11 @@ def case_small(rows, with_compile):
         if with_compile:
             progress("compiling (reduce-overhead)")
             fn, seconds = compiled(cat4, tensors)
-            timed(rows, NAME, 'torch.compile("reduce-overhead")', lambda: fn(*tensors),
-                  note=f"first 3 calls {seconds:.1f} s", kind="compile")
+            timed(
+                rows,
+                NAME,
+                'torch.compile("reduce-overhead")',
+                lambda: fn(*tensors),
+                note=f"first 3 calls {seconds:.1f} s",
+                kind="compile",
+            )

@@ -9,6 +9,7 @@ the module with an eager optimizer. Figures are us per training step; each row's
 the time its first steps took (warmup and capture, or the references' setup). About 2 min
 on an H200, most of it the Llama rows and compilation.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,8 +19,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 import autograph
-from autograph.cli._bench import add_row, capture_graph, compile_for_bench, device, mlp, \
-    per_call_us, progress, sync, timed, with_ratio
+from autograph.cli._bench import (
+    add_row,
+    capture_graph,
+    compile_for_bench,
+    device,
+    mlp,
+    per_call_us,
+    progress,
+    sync,
+    timed,
+    with_ratio,
+)
 
 MLP = "(t) training step, MLP 16x512 fp32, batch 32"
 LLAMA = "(t) training step, HF Llama 4x256 fp32, batch 8x128"
@@ -39,8 +50,13 @@ def first_steps(make: Callable[[], Step], steps: int = 2) -> Tuple[Step, float]:
     return step, time.perf_counter() - start
 
 
-def eager_step(model: torch.nn.Module, loss_of: Callable, batch: tuple,
-               capturable: bool = False, set_to_none: bool = True) -> Step:
+def eager_step(
+    model: torch.nn.Module,
+    loss_of: Callable,
+    batch: tuple,
+    capturable: bool = False,
+    set_to_none: bool = True,
+) -> Step:
     """zero_grad, forward, backward and an Adam step, as a training loop writes them."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=capturable)
 
@@ -50,6 +66,7 @@ def eager_step(model: torch.nn.Module, loss_of: Callable, batch: tuple,
         loss.backward()
         optimizer.step()
         return loss.detach()
+
     return step
 
 
@@ -65,12 +82,17 @@ def hand_written_step(model: torch.nn.Module, loss_of: Callable, batch: tuple) -
             static.copy_(t)
         graph.replay()
         return loss.clone()
+
     return step
 
 
-def variants(model: torch.nn.Module, loss_of: Callable, batch: tuple,
-             graphable: Optional[Callable[[torch.nn.Module], torch.nn.Module]],
-             with_compile: bool) -> Dict[str, Tuple[Callable[[], Step], int, str]]:
+def variants(
+    model: torch.nn.Module,
+    loss_of: Callable,
+    batch: tuple,
+    graphable: Optional[Callable[[torch.nn.Module], torch.nn.Module]],
+    with_compile: bool,
+) -> Dict[str, Tuple[Callable[[], Step], int, str]]:
     """variant name -> (build its step, steps its first-steps time covers, what they are)."""
     dev = device()
     fresh = lambda: copy.deepcopy(model)  # noqa: E731 - every variant trains its own copy
@@ -78,8 +100,9 @@ def variants(model: torch.nn.Module, loss_of: Callable, batch: tuple,
     def make_graphed(set_to_none: bool = True) -> Step:
         module = graphable(fresh())
         graphed = torch.cuda.make_graphed_callables(module, batch[:1])  # its input alone
-        return eager_step(module, lambda m, *b: loss_of(graphed, *b), batch,
-                          set_to_none=set_to_none)
+        return eager_step(
+            module, lambda m, *b: loss_of(graphed, *b), batch, set_to_none=set_to_none
+        )
 
     def compiled() -> Step:
         module = fresh()
@@ -91,58 +114,96 @@ def variants(model: torch.nn.Module, loss_of: Callable, batch: tuple,
 
     found = {
         "eager": (lambda: eager_step(fresh(), loss_of, batch), 1, "first step"),
-        "hand-written whole step": (lambda: hand_written_step(fresh(), loss_of, batch), 1,
-                                    "3 warmup steps, capture and 1 replay"),
-        "autograph.graphed(module) + eager optimizer":
-            (lambda: eager_step(autograph.graphed(fresh()), loss_of, batch), 2,
-             "first 2 steps: warmup and capture"),
+        "hand-written whole step": (
+            lambda: hand_written_step(fresh(), loss_of, batch),
+            1,
+            "3 warmup steps, capture and 1 replay",
+        ),
+        "autograph.graphed(module) + eager optimizer": (
+            lambda: eager_step(autograph.graphed(fresh()), loss_of, batch),
+            2,
+            "first 2 steps: warmup and capture",
+        ),
         "autograph.graphed(whole step)": (whole_step, 2, "first 2 steps: warmup and capture"),
     }
     # .grad kept between steps (zero_grad(set_to_none=False)): gradients accumulate in place
-    found[KEPT] = (lambda: eager_step(autograph.graphed(fresh()), loss_of, batch,
-                                      set_to_none=False), 2, "first 2 steps: warmup and capture")
+    found[KEPT] = (
+        lambda: eager_step(autograph.graphed(fresh()), loss_of, batch, set_to_none=False),
+        2,
+        "first 2 steps: warmup and capture",
+    )
     if dev == "cuda" and graphable is not None:
         found["make_graphed_callables(module) + eager optimizer"] = (
-            make_graphed, 1, "3 warmup steps, capture and 1 step")
-        found[KEPT_REFERENCE] = (lambda: make_graphed(set_to_none=False), 1,
-                                 "3 warmup steps, capture and 1 step")
+            make_graphed,
+            1,
+            "3 warmup steps, capture and 1 step",
+        )
+        found[KEPT_REFERENCE] = (
+            lambda: make_graphed(set_to_none=False),
+            1,
+            "3 warmup steps, capture and 1 step",
+        )
     if with_compile:
         found['torch.compile("reduce-overhead") + eager optimizer'] = (
-            compiled, 3, "first 3 steps, compilation included")
+            compiled,
+            3,
+            "first 3 steps, compilation included",
+        )
     return found
 
 
 KEPT = "autograph.graphed(module) + eager optimizer, zero_grad(set_to_none=False)"
 KEPT_REFERENCE = "make_graphed_callables(module) + eager optimizer, zero_grad(set_to_none=False)"
 # Each autograph variant against the reference that graphs the same thing.
-RATIOS = {"autograph.graphed(module) + eager optimizer":
-          "make_graphed_callables(module) + eager optimizer",
-          KEPT: KEPT_REFERENCE,
-          "autograph.graphed(whole step)": "hand-written whole step"}
+RATIOS = {
+    "autograph.graphed(module) + eager optimizer": (
+        "make_graphed_callables(module) + eager optimizer"
+    ),
+    KEPT: KEPT_REFERENCE,
+    "autograph.graphed(whole step)": "hand-written whole step",
+}
 
 
-def run_model(rows: List[Dict[str, Any]], name: str, model: torch.nn.Module,
-              loss_of: Callable, batch: tuple,
-              graphable: Optional[Callable[[torch.nn.Module], torch.nn.Module]],
-              with_compile: bool, timer: Optional[Callable] = None) -> None:
+def run_model(
+    rows: List[Dict[str, Any]],
+    name: str,
+    model: torch.nn.Module,
+    loss_of: Callable,
+    batch: tuple,
+    graphable: Optional[Callable[[torch.nn.Module], torch.nn.Module]],
+    with_compile: bool,
+    timer: Optional[Callable] = None,
+) -> None:
     measured: Dict[str, Tuple[float, Dict[str, Any]]] = {}
-    for variant, (make, steps, what) in variants(model, loss_of, batch, graphable,
-                                                 with_compile).items():
+    for variant, (make, steps, what) in variants(
+        model, loss_of, batch, graphable, with_compile
+    ).items():
         progress(f"{name}: {variant}")
         try:
             step, seconds = first_steps(make, steps)
         except Exception as error:  # a reference that does not support the model
-            add_row(rows, name, variant, None,
-                    note=f"{type(error).__name__}: {str(error).splitlines()[0][:100]}")
+            add_row(
+                rows,
+                name,
+                variant,
+                None,
+                note=f"{type(error).__name__}: {str(error).splitlines()[0][:100]}",
+            )
             continue
-        us = timed(rows, name, variant, step, timer=timer,
-                   note=f"us per step; {what} {seconds:.2f} s")
+        us = timed(
+            rows, name, variant, step, timer=timer, note=f"us per step; {what} {seconds:.2f} s"
+        )
         if us is not None:
             measured[variant] = (us, rows[-1])
     for variant, reference in RATIOS.items():
         if variant in measured and reference in measured:
-            with_ratio(rows, measured[variant][0], measured[reference][0], reference,
-                       row=measured[variant][1])
+            with_ratio(
+                rows,
+                measured[variant][0],
+                measured[reference][0],
+                reference,
+                row=measured[variant][1],
+            )
 
 
 def mlp_loss(model: Callable, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -185,15 +246,28 @@ def case_llama_training(rows: List[Dict[str, Any]], with_compile: bool) -> None:
         return
     dev = device()
     config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=4 if dev == "cuda" else 1,
-        num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
-        max_position_embeddings=256)
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4 if dev == "cuda" else 1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(dev).train()
     torch.manual_seed(1)
     ids = torch.randint(0, 1024, (8, 128) if dev == "cuda" else (2, 16), device=dev)
-    run_model(rows, LLAMA, model, llama_loss, (ids,), CausalLMLoss, with_compile,
-              timer=lambda call: per_call_us(call, calls=50, repeats=5, warmup=5))
+    run_model(
+        rows,
+        LLAMA,
+        model,
+        llama_loss,
+        (ids,),
+        CausalLMLoss,
+        with_compile,
+        timer=lambda call: per_call_us(call, calls=50, repeats=5, warmup=5),
+    )
 
 
 def case_training(rows: List[Dict[str, Any]], with_compile: bool) -> None:

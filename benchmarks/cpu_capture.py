@@ -10,6 +10,7 @@ is autograph's own Python (keying, the watched warmups, taking them back, the gu
 captures) plus the emulation's recording of the ops, which stands in for CUDA's capture. The
 GPU figure is case (f) of ``benchmarks/run.py``. Not a test: timings vary with the machine.
 """
+
 from __future__ import annotations
 
 import cProfile
@@ -30,8 +31,14 @@ PROMPT = 4
 
 def tiny_llama():
     config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return config, transformers.LlamaForCausalLM(config).eval()
 
@@ -40,8 +47,9 @@ def setup():
     config, model = tiny_llama()
 
     def step(ids, pos, cache):
-        return model(input_ids=ids, past_key_values=cache, cache_position=pos,
-                     use_cache=True).logits
+        return model(
+            input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True
+        ).logits
 
     caches = {}
     for b in BUCKETS:  # prefilled at the bucket's rows: a StaticCache takes its batch from it
@@ -51,8 +59,13 @@ def setup():
 
 
 def capture_seconds(step, caches) -> float:
-    fn = autograph.graphed(step, buckets=list(BUCKETS), bucket_args={"ids": 0},
-                           static_argnames=("cache",), max_graphs=64)
+    fn = autograph.graphed(
+        step,
+        buckets=list(BUCKETS),
+        bucket_args={"ids": 0},
+        static_argnames=("cache",),
+        max_graphs=64,
+    )
     ids, pos = torch.zeros(max(BUCKETS), 1, dtype=torch.long), torch.tensor([PROMPT])
     started = time.thread_time()  # this thread's CPU time: the machine may be shared
     rows = fn.capture(ids, pos, autograph.per_bucket(caches))
@@ -68,9 +81,11 @@ def main() -> None:
         step, caches = setup()
         capture_seconds(step, caches)  # every shape run once: the one-time work paid
         best = min(capture_seconds(step, caches) for _ in range(ROUNDS))
-        print(f"capture() of {len(BUCKETS)} buckets, tiny Llama decode step, CPU emulation: "
-              f"{best:.3f} s (CPU time, best of {ROUNDS}); "
-              f"{best / len(BUCKETS) * 1e3:.1f} ms a bucket")
+        print(
+            f"capture() of {len(BUCKETS)} buckets, tiny Llama decode step, CPU emulation: "
+            f"{best:.3f} s (CPU time, best of {ROUNDS}); "
+            f"{best / len(BUCKETS) * 1e3:.1f} ms a bucket"
+        )
         if "--profile" in sys.argv:
             profile = cProfile.Profile()
             profile.runcall(capture_seconds, step, caches)

@@ -10,6 +10,7 @@ plain function of N = 1, 4, 16 tensors, minus a hand-written loop over the same 
 replay itself made a no-op for both: what is left is the engine's Python, which a CUDA replay
 pays too. Not a test: timings vary with the machine.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,6 +63,7 @@ def disabled_paths() -> dict:
                 call()
             finally:
                 _config.ENV = before
+
         return run
 
     def in_region_off():
@@ -79,27 +81,29 @@ def disabled_paths() -> dict:
         finally:
             _config.ENV = before
 
-    us = best_us({
-        "bare": lambda: catn(*tensors),
-        "bare module": lambda: plain_module(*tensors),
-        "bare, disable toggled": bare_under_disable,
-        "AUTOGRAPH_DISABLE, graphed function": under_disable(lambda: step(*tensors)),
-        "AUTOGRAPH_DISABLE, graphed module": under_disable(lambda: module(*tensors)),
-        "bare, region entered": bare_in_region_off,
-        "region(enabled=False), graphed function": in_region_off,
-        "no CUDA (CPU tensors), graphed function": lambda: step(*tensors),
-    })
+    us = best_us(
+        {
+            "bare": lambda: catn(*tensors),
+            "bare module": lambda: plain_module(*tensors),
+            "bare, disable toggled": bare_under_disable,
+            "AUTOGRAPH_DISABLE, graphed function": under_disable(lambda: step(*tensors)),
+            "AUTOGRAPH_DISABLE, graphed module": under_disable(lambda: module(*tensors)),
+            "bare, region entered": bare_in_region_off,
+            "region(enabled=False), graphed function": in_region_off,
+            "no CUDA (CPU tensors), graphed function": lambda: step(*tensors),
+        }
+    )
     return {
         "bare": us["bare"],
-        "AUTOGRAPH_DISABLE, graphed function":
-            us["AUTOGRAPH_DISABLE, graphed function"] - us["bare, disable toggled"],
-        "AUTOGRAPH_DISABLE, graphed module":
-            us["AUTOGRAPH_DISABLE, graphed module"] - us["bare, disable toggled"]
-            - (us["bare module"] - us["bare"]),
-        "region(enabled=False), graphed function":
-            us["region(enabled=False), graphed function"] - us["bare, region entered"],
-        "no CUDA (CPU tensors), graphed function":
-            us["no CUDA (CPU tensors), graphed function"] - us["bare"],
+        "AUTOGRAPH_DISABLE, graphed function": us["AUTOGRAPH_DISABLE, graphed function"]
+        - us["bare, disable toggled"],
+        "AUTOGRAPH_DISABLE, graphed module": us["AUTOGRAPH_DISABLE, graphed module"]
+        - us["bare, disable toggled"]
+        - (us["bare module"] - us["bare"]),
+        "region(enabled=False), graphed function": us["region(enabled=False), graphed function"]
+        - us["bare, region entered"],
+        "no CUDA (CPU tensors), graphed function": us["no CUDA (CPU tensors), graphed function"]
+        - us["bare"],
     }
 
 
@@ -123,6 +127,7 @@ def emulated_replays() -> dict:
                 torch._foreach_copy_(statics, tensors)
                 replay()
                 return out.clone()
+
             us = best_us({"hand": hand, "autograph": lambda: step(*tensors)})
             assert step.stats()[0].replays > before, "not replayed"
             figures[f"N={n}: hand loop"] = us["hand"]

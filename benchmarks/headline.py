@@ -8,6 +8,7 @@ Each line of the table names one case's autograph row and the eager row it is me
 against; the figures and the comparison come from the results, never from hand-written text,
 so the README cannot drift from RESULTS.md (tests/test_readme.py checks that it has not).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,17 +26,36 @@ END = "<!-- end of the benchmark table -->"
 # hand-written equivalent), or the row's note where there is no reference (a key that ran
 # eagerly; a cost in microseconds).
 HEADLINE = [
-    ("b", "LLM decode step (HF Llama 8x512), one token", "autograph.graphed(model)", "eager",
-     "a hand-written capture/replay"),
-    ("e", "serving HF BERT at batch sizes 1 to 32", "autograph.graphed(model, buckets=[1..32])",
-     "eager", "one graph per exact size"),
-    ("t", "training step (MLP 16x512), graphed whole", "autograph.graphed(whole step)", "eager",
-     "a hand-written whole-step capture"),
-    ("g", "decode step on top of torch.compile", "autograph.graphed(torch.compile(step))",
-     "eager", 'torch.compile(mode="reduce-overhead")'),
+    (
+        "b",
+        "LLM decode step (HF Llama 8x512), one token",
+        "autograph.graphed(model)",
+        "eager",
+        "a hand-written capture/replay",
+    ),
+    (
+        "e",
+        "serving HF BERT at batch sizes 1 to 32",
+        "autograph.graphed(model, buckets=[1..32])",
+        "eager",
+        "one graph per exact size",
+    ),
+    (
+        "t",
+        "training step (MLP 16x512), graphed whole",
+        "autograph.graphed(whole step)",
+        "eager",
+        "a hand-written whole-step capture",
+    ),
+    (
+        "g",
+        "decode step on top of torch.compile",
+        "autograph.graphed(torch.compile(step))",
+        "eager",
+        'torch.compile(mode="reduce-overhead")',
+    ),
     ("n", "a GPU-bound MLP (8x4096, batch 2048)", "autograph.graphed(model)", "eager", None),
-    ("d", "one tiny kernel: autograph's own cost", "N=1: autograph.graphed", "N=1: eager",
-     None),
+    ("d", "one tiny kernel: autograph's own cost", "N=1: autograph.graphed", "N=1: eager", None),
 ]
 COLUMNS = ["workload", "eager", "autograph", "autograph against the reference"]
 
@@ -63,14 +83,18 @@ def headline_rows(results: list) -> list:
         against = mine.get("note", "")
         if reference and mine.get("ratio") is not None:
             against = f"{mine['ratio']:.3f}x the time of {reference}"
-        rows.append(dict(zip(COLUMNS, [workload, _with_unit(theirs), _with_unit(mine),
-                                       against])))
+        rows.append(dict(zip(COLUMNS, [workload, _with_unit(theirs), _with_unit(mine), against])))
     return rows
 
 
 def render_headline(results: list) -> str:
-    envs = sorted({describe_env(r.get("env", {})) for r in results
-                   if r["letter"] in {line[0] for line in HEADLINE}})
+    envs = sorted(
+        {
+            describe_env(r.get("env", {}))
+            for r in results
+            if r["letter"] in {line[0] for line in HEADLINE}
+        }
+    )
     table = format_rows(headline_rows(results), COLUMNS)
     return f"Measured on {'; '.join(envs)}:\n\n{table}"
 

@@ -34,6 +34,7 @@ matplotlib (a benchmark-only dependency, imported when drawing); without it the 
 skipped with a note. ``notes.md`` next to the JSON files, when there, is written under the
 run's date line: where the runs were made (commits, device calls) and what moves between them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,16 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(1, ROOT)  # autograph from this checkout
 
-from autograph.cli._bench import SMOKE, Rows, add_row, failure, figure, format_rows, infer_kind, \
-    progress  # noqa: E402
+from autograph.cli._bench import (  # noqa: E402 (after the path to this checkout)
+    SMOKE,
+    Rows,
+    add_row,
+    failure,
+    figure,
+    format_rows,
+    infer_kind,
+    progress,
+)
 
 RESULTS_DIR = os.path.join(HERE, "results")
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
@@ -74,16 +83,25 @@ CASES = {
     "f": ("case_decode", "case_decode", 90, "HF Llama decode, batch 1..64, buckets"),
     "g": ("case_compile", "case_compile", 180, "torch.compile and autograph"),
     "t": ("case_training", "case_training", 120, "training"),
-    "n": ("case_never_slower", "case_never_slower", 90,
-          "never slower: generate() in a region, GPU-bound MLP"),
+    "n": (
+        "case_never_slower",
+        "case_never_slower",
+        90,
+        "never slower: generate() in a region, GPU-bound MLP",
+    ),
     "i": ("case_islands", "case_islands", 60, "islands: graphed(model.generate)"),
-    "h": ("case_generate", "case_generate", 90,
-          "HF generate end to end: eager, region, compiled, autograph.generate"),
+    "h": (
+        "case_generate",
+        "case_generate",
+        90,
+        "HF generate end to end: eager, region, compiled, autograph.generate",
+    ),
 }
 DEFAULT_CASES = "abcdefgtnih"
 
 
 # ---- one case, in its own process ----
+
 
 def environment():
     import torch
@@ -92,10 +110,15 @@ def environment():
         gpu = "no GPU (CPU smoke run)" if SMOKE else "no GPU"
     else:
         gpu = torch.cuda.get_device_name()
-    env = {"date": datetime.date.today().isoformat(), "gpu": gpu,
-           "torch": torch.__version__, "python": platform.python_version()}
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     try:
         import transformers
+
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
@@ -129,8 +152,13 @@ def run_case(letter, with_compile, rows_out):
             case(rows, with_compile)
     except BaseException as error:
         if isinstance(error, ModuleNotFoundError) and error.name == CASES[letter][0]:
-            add_row(rows, name, "(case not available)", None,
-                    note=f"benchmarks/{CASES[letter][0]}.py is not there")
+            add_row(
+                rows,
+                name,
+                "(case not available)",
+                None,
+                note=f"benchmarks/{CASES[letter][0]}.py is not there",
+            )
             return 0
         traceback.print_exc()
         sys.stderr.flush()
@@ -141,6 +169,7 @@ def run_case(letter, with_compile, rows_out):
 
 
 # ---- results: JSON per case, RESULTS.md and the chart ----
+
 
 def case_path(results_dir, letter):
     return os.path.join(results_dir, f"case_{letter}.json")
@@ -195,10 +224,14 @@ def render_markdown(results, chart_note, notes=""):
     else:
         header = "Runs:\n\n" + "\n".join(
             "- " + ", ".join(f"({r['letter']})" for r in group) + f": {env}"
-            for env, group in envs.items())
-    times = ", ".join(f"({r['letter']}) {r['seconds']:.0f} s" + (
-        f" [{r['status']}]" if r.get("status", "complete") != "complete" else "")
-        for r in results if r.get("seconds") is not None)
+            for env, group in envs.items()
+        )
+    times = ", ".join(
+        f"({r['letter']}) {r['seconds']:.0f} s"
+        + (f" [{r['status']}]" if r.get("status", "complete") != "complete" else "")
+        for r in results
+        if r.get("seconds") is not None
+    )
     rows = [{**row, "figure": figure(row)} for result in results for row in result["rows"]]
     table = format_rows(rows, ["case", "variant", "figure", "note"]) if rows else "(no rows)"
     return (
@@ -208,14 +241,24 @@ def render_markdown(results, chart_note, notes=""):
         "call unless a unit is given: medians of repeated runs of many back-to-back calls, the "
         "GPU synchronised around each run; variants compared by a ratio are timed side by side "
         "in one process. Each case runs in a fresh process, torch.compile last within it.\n\n"
-        + header + "\n\n"
+        + header
+        + "\n\n"
         + (notes.strip() + "\n\n" if notes.strip() else "")
         + (f"Wall time per case: {times}.\n\n" if times else "")
-        + chart_note + "\n\n" + table + "\n")
+        + chart_note
+        + "\n\n"
+        + table
+        + "\n"
+    )
 
 
-KIND_COLORS = {"eager": "#9e9e9e", "hand": "#4c72b0", "autograph": "#dd8452",
-               "compile": "#55a868", "other": "#8172b2"}
+KIND_COLORS = {
+    "eager": "#9e9e9e",
+    "hand": "#4c72b0",
+    "autograph": "#dd8452",
+    "compile": "#55a868",
+    "other": "#8172b2",
+}
 
 
 def chart_groups(results):
@@ -229,22 +272,29 @@ def chart_groups(results):
             groups.setdefault(row.get("case", "?"), []).append((row, value))
     charts = []
     for name, items in groups.items():
-        lines = [(row, value) for row, value in items if row.get("x") is not None
-                 and row.get("series")]
+        lines = [
+            (row, value) for row, value in items if row.get("x") is not None and row.get("series")
+        ]
         if lines:
             series = {}
             for row, value in lines:
                 series.setdefault(row["series"], []).append((row["x"], value))
             charts.append((name, "lines", lines[0][0].get("unit", "us/call"), series))
             continue
-        kinds = [(row, value) for row, value in items
-                 if row.get("kind", infer_kind(row.get("variant", ""))) in KIND_COLORS]
+        kinds = [
+            (row, value)
+            for row, value in items
+            if row.get("kind", infer_kind(row.get("variant", ""))) in KIND_COLORS
+        ]
         units = [row.get("unit", "us/call") for row, _ in kinds]
         if not units:
             continue
         unit = "us/call" if "us/call" in units else max(set(units), key=units.count)
-        bars = [(row.get("variant", ""), value, row.get("kind", infer_kind(row.get("variant", ""))))
-                for row, value in kinds if row.get("unit", "us/call") == unit]
+        bars = [
+            (row.get("variant", ""), value, row.get("kind", infer_kind(row.get("variant", ""))))
+            for row, value in kinds
+            if row.get("unit", "us/call") == unit
+        ]
         charts.append((name, "bars", unit, bars))
     return charts
 
@@ -253,11 +303,14 @@ def render_chart(results, path):
     """Draw the chart; returns the line RESULTS.md shows for it."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return ("Chart not drawn: matplotlib is not installed where this was rendered "
-                "(`pip install matplotlib`, then `python benchmarks/run.py --render`).")
+        return (
+            "Chart not drawn: matplotlib is not installed where this was rendered "
+            "(`pip install matplotlib`, then `python benchmarks/run.py --render`)."
+        )
     import textwrap
 
     charts = chart_groups(results)
@@ -266,7 +319,7 @@ def render_chart(results, path):
     columns = 2
     rows_n = (len(charts) + columns - 1) // columns
     fig, axes = plt.subplots(rows_n, columns, figsize=(14, 4.6 * rows_n), squeeze=False)
-    for ax in axes.flat[len(charts):]:
+    for ax in axes.flat[len(charts) :]:
         ax.axis("off")
     for ax, (name, style, unit, data) in zip(axes.flat, charts):
         ax.set_title(textwrap.fill(name, 60), fontsize=10)
@@ -276,8 +329,7 @@ def render_chart(results, path):
             xs = sorted({x for points in data.values() for x, _ in points})
             for series, points in data.items():
                 points.sort()
-                ax.plot([x for x, _ in points], [y for _, y in points], marker="o",
-                        label=series)
+                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=series)
             if xs and xs[-1] / max(xs[0], 1e-9) > 8:
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(xs)
@@ -288,16 +340,25 @@ def render_chart(results, path):
             positions = range(len(data))
             ax.bar(positions, values, color=[KIND_COLORS[k] for _, _, k in data])
             ax.set_xticks(list(positions))
-            ax.set_xticklabels([textwrap.fill(label, 18) for label, _, _ in data],
-                               fontsize=7, rotation=30, ha="right")
+            ax.set_xticklabels(
+                [textwrap.fill(label, 18) for label, _, _ in data],
+                fontsize=7,
+                rotation=30,
+                ha="right",
+            )
             for x, v in zip(positions, values):
                 ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
         if values and max(values) / min(values) > 10:
             ax.set_yscale("log")
         ax.grid(axis="y", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLORS.values()]
-    fig.legend(handles, ["eager", "hand-written", "autograph", "torch.compile", "other"],
-               loc="upper center", ncol=5, fontsize=9)
+    fig.legend(
+        handles,
+        ["eager", "hand-written", "autograph", "torch.compile", "other"],
+        loc="upper center",
+        ncol=5,
+        fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -313,9 +374,13 @@ def render(results_dir, markdown_path, chart_path, out=None):
         fh.write(render_markdown(results, chart_note, notes))
     if os.path.abspath(results_dir) == RESULTS_DIR:  # README's table: these results only
         from headline import write_readme
+
         write_readme(results)
-    print(f"wrote {markdown_path} ({sum(len(r['rows']) for r in results)} rows from "
-          f"{len(results)} case(s)); {chart_note}", file=sys.stderr)
+    print(
+        f"wrote {markdown_path} ({sum(len(r['rows']) for r in results)} rows from "
+        f"{len(results)} case(s)); {chart_note}",
+        file=sys.stderr,
+    )
     if out:
         for path in (markdown_path, chart_path):
             if os.path.exists(path):
@@ -333,16 +398,22 @@ def compare_ratios(previous, result):
         if before and now:
             change = now / before - 1
             flag = "  <-- more than 3% worse" if change > 0.03 else ""
-            lines.append(f"  {row['variant']}: {before:.3f}x -> {now:.3f}x "
-                         f"({change:+.1%}){flag}")
+            lines.append(f"  {row['variant']}: {before:.3f}x -> {now:.3f}x ({change:+.1%}){flag}")
     return lines
 
 
 # ---- the driver ----
 
+
 def run_in_subprocess(letter, args, rows_out):
-    command = [sys.executable, os.path.abspath(__file__), "--one-case", letter,
-               "--rows-out", rows_out]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--one-case",
+        letter,
+        "--rows-out",
+        rows_out,
+    ]
     if args.no_compile:
         command.append("--no-compile")
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
@@ -350,8 +421,9 @@ def run_in_subprocess(letter, args, rows_out):
     status = "complete"
     # stdout and stderr stream through: progress shows even if this call is cut off. The case
     # runs in its own process group, so that a time-out also ends its compile workers.
-    child = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path},
-                             start_new_session=True)
+    child = subprocess.Popen(
+        command, env={**os.environ, "PYTHONPATH": path}, start_new_session=True
+    )
     try:
         returncode = child.wait(timeout=args.case_timeout)
         if returncode != 0:
@@ -375,32 +447,60 @@ def run_in_subprocess(letter, args, rows_out):
     except (OSError, ValueError):
         env = {"date": datetime.date.today().isoformat()}
     if status != "complete":
-        rows.append({"case": f"({letter}) {CASES[letter][3]}", "variant": f"(case {status})",
-                     "value": None, "unit": "us/call", "kind": "other",
-                     "note": "rows above it were measured before"})
-    return {"letter": letter, "title": CASES[letter][3], "env": env, "rows": rows,
-            "seconds": seconds, "status": status}
+        rows.append(
+            {
+                "case": f"({letter}) {CASES[letter][3]}",
+                "variant": f"(case {status})",
+                "value": None,
+                "unit": "us/call",
+                "kind": "other",
+                "note": "rows above it were measured before",
+            }
+        )
+    return {
+        "letter": letter,
+        "title": CASES[letter][3],
+        "env": env,
+        "rows": rows,
+        "seconds": seconds,
+        "status": status,
+    }
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=DEFAULT_CASES,
-                        help=f"case letters to run, e.g. 'abc' (default {DEFAULT_CASES})")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cases",
+        default=DEFAULT_CASES,
+        help=f"case letters to run, e.g. 'abc' (default {DEFAULT_CASES})",
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile rows")
-    parser.add_argument("--write", action="store_true",
-                        help="save each case's JSON, then render RESULTS.md, the chart and "
-                             "README's table")
-    parser.add_argument("--render", action="store_true",
-                        help="only render RESULTS.md, the chart and README's table from the "
-                             "JSON files")
-    parser.add_argument("--results-dir", default=None,
-                        help="where the per-case JSON files are (default benchmarks/results)")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="save each case's JSON, then render RESULTS.md, the chart and README's table",
+    )
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="only render RESULTS.md, the chart and README's table from the JSON files",
+    )
+    parser.add_argument(
+        "--results-dir",
+        default=None,
+        help="where the per-case JSON files are (default benchmarks/results)",
+    )
     parser.add_argument("--markdown", help=argparse.SUPPRESS)
     parser.add_argument("--chart", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="also copy JSON, RESULTS.md and the chart here")
-    parser.add_argument("--case-timeout", type=float, default=420,
-                        help="seconds one case may run before it is stopped (default 420)")
+    parser.add_argument(
+        "--case-timeout",
+        type=float,
+        default=420,
+        help="seconds one case may run before it is stopped (default 420)",
+    )
     parser.add_argument("--one-case", help=argparse.SUPPRESS)
     parser.add_argument("--rows-out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -410,8 +510,10 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown case letter(s) {unknown}; the cases are {''.join(CASES)}")
     if SMOKE and (args.write or args.render) and args.results_dir is None:
-        parser.error("a smoke run (AUTOGRAPH_BENCH_SMOKE=1) writes only with an explicit "
-                     "--results-dir, so that it never replaces real results")
+        parser.error(
+            "a smoke run (AUTOGRAPH_BENCH_SMOKE=1) writes only with an explicit "
+            "--results-dir, so that it never replaces real results"
+        )
     results_dir = args.results_dir or RESULTS_DIR
     # RESULTS.md and the chart sit next to the JSON files they are drawn from, unless those
     # are benchmarks/results/ (then: benchmarks/RESULTS.md and benchmarks/results.png).
@@ -439,9 +541,12 @@ def main(argv=None):
                 previous = json.load(fh)
         changes = compare_ratios(previous, result)
         if changes:
-            print(f"({letter}) ratios against the last saved run "
-                  f"({previous.get('env', {}).get('date', '?')}):\n" + "\n".join(changes),
-                  file=sys.stderr, flush=True)
+            print(
+                f"({letter}) ratios against the last saved run "
+                f"({previous.get('env', {}).get('date', '?')}):\n" + "\n".join(changes),
+                file=sys.stderr,
+                flush=True,
+            )
         if args.write:
             os.makedirs(results_dir, exist_ok=True)
             with open(case_path(results_dir, letter), "w") as fh:

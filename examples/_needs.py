@@ -2,6 +2,7 @@
 
 >>> transformers = needs(__file__, cuda=True, transformers=True)   # exits, saying what to do
 """
+
 import importlib
 import os
 import sys
@@ -19,11 +20,15 @@ def needs(example: str, cuda: bool = False, transformers: bool = False) -> Optio
         try:
             module = importlib.import_module("transformers")
         except ImportError:
-            missing.append('transformers: pip install transformers (or, in a clone of this '
-                           'repository, pip install -e ".[examples]")')
+            missing.append(
+                "transformers: pip install transformers (or, in a clone of this "
+                'repository, pip install -e ".[examples]")'
+            )
     if cuda and not torch.cuda.is_available():
-        missing.append(f"a CUDA GPU (torch {torch.__version__} sees none): on this machine, "
-                       f"python examples/why_eager.py runs on the CPU emulation of CUDA graphs")
+        missing.append(
+            f"a CUDA GPU (torch {torch.__version__} sees none): on this machine, "
+            f"python examples/why_eager.py runs on the CPU emulation of CUDA graphs"
+        )
     if missing:
         sys.exit(f"examples/{os.path.basename(example)} needs " + "; and ".join(missing) + ".")
     return module

@@ -6,6 +6,7 @@ On a CUDA GPU the functions run on real CUDA graphs. Without one they run on the
 of CUDA graphs (autograph.testing), which runs the same engine and guard on CPU tensors, so the
 same warnings appear.
 """
+
 import contextlib
 import warnings
 
@@ -36,8 +37,10 @@ def main():
     if torch.cuda.is_available():
         device, graphs = "cuda", contextlib.nullcontext()
     else:
-        print("No CUDA GPU here: running on the CPU emulation of CUDA graphs "
-              "(autograph.testing.emulate_graphs_on_cpu()).\n")
+        print(
+            "No CUDA GPU here: running on the CPU emulation of CUDA graphs "
+            "(autograph.testing.emulate_graphs_on_cpu()).\n"
+        )
         device, graphs = "cpu", autograph.testing.emulate_graphs_on_cpu()
     model = autograph.graphed(torch.nn.Linear(512, 512).to(device))
     x = torch.randn(8, 512, device=device)

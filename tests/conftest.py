@@ -1,4 +1,5 @@
 """Shared fixtures: the CPU emulation of CUDA graphs, and the CUDA marker."""
+
 import gc
 import re
 import warnings
@@ -9,14 +10,16 @@ import torch
 import autograph
 from autograph.testing import emulate_graphs_on_cpu
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                   reason="needs a CUDA GPU")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped on machines without one")
-    config.addinivalue_line("markers", "payoff: keeps the CUDA payoff clock (check_payoff): "
-                                       "its keys may go eager on measured timings")
+    config.addinivalue_line(
+        "markers",
+        "payoff: keeps the CUDA payoff clock (check_payoff): "
+        "its keys may go eager on measured timings",
+    )
 
 
 def pytest_collection_finish(session):
@@ -57,8 +60,11 @@ def states(target):
     A test of graph behaviour asserts these: values alone would also be right if every call
     ran eagerly. The rows of a key's islands (module calls graphed inside its eager calls,
     ``function > Module``) are left out: tests of islands read ``stats()`` themselves."""
-    return [(s.state, s.calls, s.eager_calls, s.replays) for s in autograph.stats(target)
-            if " > " not in s.function]
+    return [
+        (s.state, s.calls, s.eager_calls, s.replays)
+        for s in autograph.stats(target)
+        if " > " not in s.function
+    ]
 
 
 def python_run_log():
@@ -72,8 +78,10 @@ def python_run_log():
     ``autograph/_python_state.py``), which would turn a test of graphs into a test of that
     rule. Functions are never walked as a call's state, so what this logs is out of the call's
     reach, as a print is."""
+
     def log_run(value=1):
         log_run.runs.append(value)
+
     log_run.runs = []
     return log_run
 
@@ -92,6 +100,7 @@ def _no_payoff_timings(request, monkeypatch):
     except in tests marked ``payoff`` (the emulation has none unless a test sets one)."""
     if request.node.get_closest_marker("payoff") is None:
         from autograph.backends._cuda_graphs import CudaGraphs
+
         monkeypatch.setattr(CudaGraphs, "payoff_clock", staticmethod(lambda device: None))
 
 

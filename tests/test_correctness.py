@@ -3,6 +3,7 @@ address"): each case here once gave a wrong result or a crash. Each test runs on
 and, where there is one, on a GPU, and checks both the values (equal to eager) and what the engine
 did (graphed, eager, recaptured).
 """
+
 import asyncio
 import gc
 import types
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import autograph
+
 from conftest import autograph_warnings, device_label, python_run_log
 
 
@@ -21,6 +23,7 @@ def rows(fn):
 
 
 # ---- state read by address (docs/design.md, "State read by address") ----
+
 
 class GrowingCache:
     """A cache that grows with torch.cat, as HF's DynamicCache does: its tensor is rebound."""
@@ -50,8 +53,8 @@ def test_a_cache_that_rebinds_its_tensors_runs_eagerly_and_says_which(device, ca
     got, cache = run(True)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert torch.equal(cache.keys, eager_cache.keys) and cache.keys.shape[1] == 6
-    row, = attend.stats()
-    assert (row.state, row.calls, row.replays) == ("eager", 6, 1)   # the capture call
+    (row,) = attend.stats()
+    assert (row.state, row.calls, row.replays) == ("eager", 6, 1)  # the capture call
     assert "it replaces cache.keys on every call" in row.fallback_reason
     assert "StaticCache" in row.fallback_reason
     assert len(autograph_warnings(caught)) == 1
@@ -69,10 +72,10 @@ def test_a_rebound_tensor_is_seen_and_the_key_captured_again(device):
     x = torch.arange(3.0, device=device)
     for _ in range(3):
         assert torch.equal(scaled(x), x)
-    state.scale = torch.full((3,), 2.0, device=device)   # the old tensor is freed
+    state.scale = torch.full((3,), 2.0, device=device)  # the old tensor is freed
     for _ in range(3):
         assert torch.equal(scaled(x), x * 2)
-    assert len(log_run.runs) == 3       # warmup, capture, and one capture again
+    assert len(log_run.runs) == 3  # warmup, capture, and one capture again
     assert rows(scaled) == [("graphed", 6, 1, 5)]
 
 
@@ -87,7 +90,7 @@ def test_a_tensor_rebound_again_and_again_ends_eager_with_its_name(device, caugh
     for value in range(2, 10):
         assert torch.equal(scaled(x), state.scale)
         state.scale = torch.full((3,), float(value), device=device)
-    row, = scaled.stats()
+    (row,) = scaled.stats()
     assert row.state == "eager" and "state.scale" in row.fallback_reason
     assert "update it in place" in row.fallback_reason
     assert len(autograph_warnings(caught)) == 1
@@ -101,13 +104,14 @@ def test_in_place_updates_of_state_read_by_address_are_seen(device):
         return x * weight
 
     x = torch.ones(3, device=device)
-    for i in range(4):
+    for _i in range(4):
         assert torch.equal(f(x), weight)
         weight.add_(1)
     assert rows(f) == [("graphed", 4, 1, 3)]
 
 
 # ---- keys (docs/design.md, "Keys") ----
+
 
 def test_signed_zero_and_nan_values_key_as_they_compute(device):
     @autograph.graphed
@@ -120,7 +124,10 @@ def test_signed_zero_and_nan_values_key_as_they_compute(device):
         expected = x / s
         assert torch.equal(out, expected) or (out.isnan().all() and expected.isnan().all())
     assert sorted((r.key.split(", ")[1], r.state, r.replays) for r in divide.stats()) == [
-        ("s=-0.0", "graphed", 1), ("s=0.0", "graphed", 2), ("s=nan", "graphed", 2)]
+        ("s=-0.0", "graphed", 1),
+        ("s=0.0", "graphed", 2),
+        ("s=nan", "graphed", 2),
+    ]
 
 
 def test_an_unhashable_keyword_argument_is_named(device):
@@ -132,10 +139,13 @@ def test_an_unhashable_keyword_argument_is_named(device):
     assert torch.equal(f(one, cfg=bytearray(b"x")), one * 2)
     assert torch.equal(f((one, bytearray(b"x")), cfg=None), one * 2)
     assert [r.fallback_reason.split(",")[0] for r in f.stats()] == [
-        "its argument cfg is an unhashable bytearray", "its argument x[1] is an unhashable bytearray"]
+        "its argument cfg is an unhashable bytearray",
+        "its argument x[1] is an unhashable bytearray",
+    ]
 
 
 # ---- outputs (docs/design.md, "Outputs") ----
+
 
 class Box:
     def __init__(self, value):
@@ -168,12 +178,14 @@ def test_an_object_passed_in_and_returned_comes_back_as_itself(device):
     holder = Holder(device)
     for i in range(1, 5):
         result = step(torch.ones(2, device=device), holder)
-        assert result.holder is holder and torch.equal(holder.total,
-                                                        torch.full((2,), float(i), device=device))
+        assert result.holder is holder and torch.equal(
+            holder.total, torch.full((2,), float(i), device=device)
+        )
     assert rows(step) == [("graphed", 4, 1, 3)]
 
 
 # ---- arguments that share memory (docs/design.md, "Inputs") ----
+
 
 def test_arguments_sharing_memory_give_eager_results_on_every_call_capture_included(device):
     @autograph.graphed
@@ -183,10 +195,10 @@ def test_arguments_sharing_memory_give_eager_results_on_every_call_capture_inclu
 
     separate = [f(torch.zeros(2, device=device), torch.zeros(2, device=device))]
     x = torch.zeros(2, device=device)
-    aliased = f(x, x)                                  # the capture call
+    aliased = f(x, x)  # the capture call
     assert torch.equal(aliased, torch.full((2,), 2.0, device=device))
     base = torch.zeros(3, device=device)
-    overlapping = f(base[:2], base[1:])                # overlapping views
+    overlapping = f(base[:2], base[1:])  # overlapping views
     assert torch.equal(overlapping, torch.tensor([2.0, 0.0], device=device))
     separate.append(f(torch.zeros(2, device=device), torch.zeros(2, device=device)))
     assert all(torch.equal(s, torch.zeros(2, device=device)) for s in separate)
@@ -195,6 +207,7 @@ def test_arguments_sharing_memory_give_eager_results_on_every_call_capture_inclu
 
 
 # ---- arguments a graph cannot stand in for (docs/design.md, "Keys") ----
+
 
 class Doubling(torch.Tensor):
     @classmethod
@@ -216,12 +229,19 @@ def test_tensor_subclasses_run_eagerly_with_the_reason(device):
 
     with pytest.warns(autograph.AutographWarning, match="Doubling, a tensor subclass"):
         for cls in (Doubling, Tagged):
-            outs = [add_one(torch.full((3,), 2.0, device=device).as_subclass(cls))
-                    for _ in range(3)]
-            assert all(type(o) is cls and torch.equal(o.as_subclass(torch.Tensor),
-                                                       (torch.full((3,), 2.0, device=device)
-                                                        .as_subclass(cls) + 1)
-                                                       .as_subclass(torch.Tensor)) for o in outs)
+            outs = [
+                add_one(torch.full((3,), 2.0, device=device).as_subclass(cls)) for _ in range(3)
+            ]
+            assert all(
+                type(o) is cls
+                and torch.equal(
+                    o.as_subclass(torch.Tensor),
+                    (torch.full((3,), 2.0, device=device).as_subclass(cls) + 1).as_subclass(
+                        torch.Tensor
+                    ),
+                )
+                for o in outs
+            )
     assert {r.state for r in add_one.stats()} == {"eager"}
     assert all("tensor subclass" in r.fallback_reason for r in add_one.stats())
 
@@ -235,7 +255,7 @@ def test_sparse_arguments_run_eagerly_with_the_reason(device):
     with pytest.warns(autograph.AutographWarning, match="sparse_coo"):
         for _ in range(3):
             assert torch.equal(dense(sparse), torch.eye(3, device=device) * 2)
-    row, = dense.stats()
+    (row,) = dense.stats()
     assert row.state == "eager" and "sparse" in row.fallback_reason
 
 
@@ -251,7 +271,7 @@ def test_nested_arguments_run_eagerly_with_the_reason(device):
     with pytest.warns(autograph.AutographWarning, match="nested tensor"):
         for _ in range(3):
             assert torch.equal(lengths(nested), torch.tensor([2.0, 3.0], device=device))
-    row, = lengths.stats()
+    (row,) = lengths.stats()
     assert row.state == "eager" and "nested" in row.fallback_reason
 
 
@@ -273,17 +293,22 @@ def test_generator_and_async_functions_are_refused_at_decoration():
 
 # ---- the key cache: max_graphs counts graphs, objects keyed by identity die ----
 
+
 def test_max_graphs_counts_graphs_not_keys(device):
     @autograph.graphed(max_graphs=2)
     def f(x):
         return x + 1
 
-    for n in (1, 2, 3):                       # one-off shapes: no graph
+    for n in (1, 2, 3):  # one-off shapes: no graph
         f(torch.zeros(n, device=device))
     for _ in range(3):
-        f(torch.zeros(7, device=device))      # a repeated shape gets one
+        f(torch.zeros(7, device=device))  # a repeated shape gets one
     assert sorted((r.key.split(":")[1].split()[0], r.state) for r in f.stats()) == [
-        ("f32[1]", "warmup"), ("f32[2]", "warmup"), ("f32[3]", "warmup"), ("f32[7]", "graphed")]
+        ("f32[1]", "warmup"),
+        ("f32[2]", "warmup"),
+        ("f32[3]", "warmup"),
+        ("f32[7]", "graphed"),
+    ]
 
 
 def test_strict_raises_for_every_key_past_max_graphs(device):
@@ -294,7 +319,7 @@ def test_strict_raises_for_every_key_past_max_graphs(device):
     for _ in range(2):
         f(torch.zeros(1, device=device))
     for n in (2, 3):
-        f(torch.zeros(n, device=device))      # warmup
+        f(torch.zeros(n, device=device))  # warmup
         with pytest.raises(autograph.CaptureError, match="max_graphs=1"):
             f(torch.zeros(n, device=device))
 
@@ -328,7 +353,7 @@ def test_the_key_cache_is_bounded(device):
         return x * 2
 
     served = torch.zeros(1000, device=device)  # a graphed key that replays between new keys,
-    for n in range(1, 301):                    # so that calls stay keyed (no churn)
+    for n in range(1, 301):  # so that calls stay keyed (no churn)
         f(served)
         f(torch.zeros(n, device=device))
     assert len(f.stats()) == 256
@@ -346,13 +371,17 @@ def test_keys_that_never_repeat_pass_through_said_once_with_what_changes(device,
     messages = autograph_warnings(caught)
     assert len(messages) == 1
     assert "16 new keys, and no graph replayed" in messages[0]
-    assert (f"mask: f32[1, 15] {device_label(device)} became mask: f32[1, 16] "
-            f"{device_label(device)}.") in messages[0]
+    assert (
+        f"mask: f32[1, 15] {device_label(device)} became mask: f32[1, 16] {device_label(device)}."
+    ) in messages[0]
     # 16 keys, 16 calls passed through, a look (a new key), 6 calls of the next 32 passed.
     *keys, passed = f.stats()
     assert len(keys) == 17 and all(r.replays == 0 for r in keys)
     assert (passed.key, passed.state, passed.calls) == (
-        "calls passed through (keys churn)", "eager", 16 + 6)
+        "calls passed through (keys churn)",
+        "eager",
+        16 + 6,
+    )
     assert "1 look(s)" in passed.fallback_reason
 
 
@@ -380,6 +409,7 @@ def test_a_server_calling_at_many_batch_sizes_in_turn_is_graphed_not_passed_thro
 
 # ---- binding ----
 
+
 class Scaler:
     def __init__(self, scale):
         self.scale = scale
@@ -405,12 +435,13 @@ def test_methods_of_temporary_instances_and_staticmethods_bind_as_eagerly(device
 
 # ---- host reads the capture would not make ----
 
+
 def test_a_host_read_seen_only_at_warmup_does_not_veto_the_capture(device, caught):
     warming_up = [True]
 
     @autograph.graphed
     def f(x):
-        if warming_up[0] and x.sum().item() > 100:   # capture-aware code skips this read
+        if warming_up[0] and x.sum().item() > 100:  # capture-aware code skips this read
             return x
         return x * 2
 
@@ -425,6 +456,7 @@ def test_a_host_read_seen_only_at_warmup_does_not_veto_the_capture(device, caugh
 
 # ---- .grad is state read by address too (docs/design.md, "State read by address") ----
 
+
 @pytest.mark.parametrize("clear", ["none_outside", "zero_outside", "none_inside", "zero_inside"])
 def test_backward_inside_a_graphed_function_leaves_grad_as_eager(device, clear):
     def make():
@@ -437,6 +469,7 @@ def test_backward_inside_a_graphed_function_leaves_grad_as_eager(device, clear):
                 model.zero_grad(set_to_none=clear == "none_inside")
             model(x).square().sum().backward()
             return x * 1
+
         return step
 
     eager_model, graphed_model = make(), make()
@@ -450,7 +483,7 @@ def test_backward_inside_a_graphed_function_leaves_grad_as_eager(device, clear):
             step(x)
         for a, b in zip(eager_model.parameters(), graphed_model.parameters()):
             assert b.grad is not None and torch.allclose(a.grad, b.grad)
-    row, = graphed_step.stats()
+    (row,) = graphed_step.stats()
     assert (row.state, row.replays) == ("graphed", 4), row.fallback_reason
 
 
@@ -465,9 +498,9 @@ def test_grads_cleared_between_calls_of_an_accumulating_graph_are_seen(device, c
     x = torch.ones(3, device=device)
     w.grad = torch.zeros(3, device=device)
     for _ in range(3):
-        accumulate(x)                       # accumulates into the existing .grad
+        accumulate(x)  # accumulates into the existing .grad
     assert torch.equal(w.grad, torch.full((3,), 3.0, device=device))
-    w.grad = None                           # eager would start afresh
+    w.grad = None  # eager would start afresh
     accumulate(x)
     assert torch.equal(w.grad, torch.ones(3, device=device))
 
@@ -487,7 +520,7 @@ def test_a_new_object_that_reuses_a_dead_ones_id_never_meets_its_graph(device):
         cfg = Config(value)
         for _ in range(3):
             assert torch.equal(scaled(x, cfg), x * value)
-        assert [r.state for r in scaled.stats()] == ["graphed"]   # dead objects' keys gone
+        assert [r.state for r in scaled.stats()] == ["graphed"]  # dead objects' keys gone
         del cfg
         gc.collect()
     assert scaled.stats() == []
@@ -499,7 +532,7 @@ def test_a_backward_in_a_capture_that_fails_leaves_grad_as_it_was(device):
     def step(x):
         loss = (w * x).sum()
         loss.backward()
-        if loss > 0:                 # the guard stops the capture here, after the backward
+        if loss > 0:  # the guard stops the capture here, after the backward
             return x * 2
         return x
 
@@ -507,7 +540,7 @@ def test_a_backward_in_a_capture_that_fails_leaves_grad_as_it_was(device):
     grads = []
     with pytest.warns(autograph.AutographWarning, match="used as a Python condition"):
         for i in range(3):
-            w.grad = None                # zero_grad(set_to_none=True) outside the step
+            w.grad = None  # zero_grad(set_to_none=True) outside the step
             graphed(torch.full((3,), float(i + 1), device=device))
             grads.append(w.grad.tolist())
     assert grads == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
@@ -528,9 +561,9 @@ def test_reading_values_into_python_is_found_on_every_device(device, read, caugh
     for v in (1.0, 2.0, 3.0):
         x = torch.full((2,), v, device=device)
         assert torch.equal(scaled(x), x * v)
-    row, = scaled.stats()
+    (row,) = scaled.stats()
     assert row.state == "eager" and len(autograph_warnings(caught)) == 1
-    assert torch.Tensor.__dict__.get(read) is before       # the patch is gone again
+    assert torch.Tensor.__dict__.get(read) is before  # the patch is gone again
 
 
 def test_reseeding_inside_a_graphed_function_is_found_on_every_device(device, caught):
@@ -545,7 +578,7 @@ def test_reseeding_inside_a_graphed_function_is_found_on_every_device(device, ca
     for _ in range(4):
         torch.rand(3, device=device)  # moves the generator on between calls, as a program would
         assert torch.equal(noisy(x), expected)
-    row, = noisy.stats()
+    (row,) = noisy.stats()
     assert row.state == "eager" and "torch.manual_seed()" in row.fallback_reason
     assert len(autograph_warnings(caught)) == 1
 
@@ -572,9 +605,10 @@ def test_an_out_argument_the_function_resizes_runs_eagerly_with_the_reason(devic
     with pytest.warns(autograph.AutographWarning, match="resizes its argument"):
         for _ in range(3):
             buf = torch.empty(0, device=device)
-            assert torch.equal(add(torch.ones(3, device=device), buf),
-                               torch.full((3,), 2.0, device=device))
-    row, = add.stats()
+            assert torch.equal(
+                add(torch.ones(3, device=device), buf), torch.full((3,), 2.0, device=device)
+            )
+    (row,) = add.stats()
     assert row.state == "eager" and "resizes its argument" in row.fallback_reason
 
 

@@ -1,11 +1,13 @@
 """Never a wrong result, on a real GPU: HF's default DynamicCache, capture-aware HF code, and
 static outputs across keys and after their graph is gone (issues 8 and 15)."""
+
 import copy
 
 import pytest
 import torch
 
 import autograph
+
 from conftest import autograph_warnings, requires_cuda
 from helpers.models import llama
 
@@ -57,14 +59,19 @@ def test_hf_generate_with_the_default_cache_in_a_region_is_right(caught):
             assert torch.equal(got, expected)
     churn = [m for m in autograph_warnings(caught) if "no graph replayed" in m]
     assert len(churn) == 1 and "became" in churn[0]
-    passed, = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
+    (passed,) = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
     assert passed.calls > 0
 
 
 def test_capture_aware_hf_bert_under_no_grad_is_graphed(caught):
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=1024, vocab_size=1024)
+    config = transformers.BertConfig(
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        vocab_size=1024,
+    )
     torch.manual_seed(0)
     model = transformers.BertModel(config).cuda().eval()
     graphed = autograph.graphed(copy.deepcopy(model))
@@ -76,7 +83,7 @@ def test_capture_aware_hf_bert_under_no_grad_is_graphed(caught):
         for _ in range(4):
             got = graphed(ids, attention_mask=mask).last_hidden_state
             assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
-    row, = autograph.stats(graphed)
+    (row,) = autograph.stats(graphed)
     assert (row.state, row.replays) == ("graphed", 3), row.fallback_reason
     assert autograph_warnings(caught) == []
 
@@ -89,7 +96,7 @@ def test_a_static_output_held_from_one_key_is_not_overwritten_by_another():
     for _ in range(3):
         kept = f(torch.ones(1024, device="cuda"))
     for _ in range(3):
-        f(torch.ones(2048, device="cuda"))            # another key, same pool
+        f(torch.ones(2048, device="cuda"))  # another key, same pool
     with pytest.raises(RuntimeError, match="was overwritten by a later call"):
         kept.sum()
     assert sorted(r.state for r in f.stats()) == ["graphed", "graphed"]

@@ -1,6 +1,7 @@
 """The words a user reads: each message names the function, the key, the cause, the user's line
 and the fix (docs/guide/why-eager.md, "What a message tells you"), and says nothing untrue of
 this machine (a CPU tensor is not a GPU tensor; a call that raises does not run eagerly)."""
+
 import warnings
 
 import pytest
@@ -29,12 +30,12 @@ def test_a_python_float_that_changes_on_every_call_is_told_to_be_a_tensor(emulat
         for step in range(20):
             scaled(x, 0.5 + step)
     said = graphed_warnings(record)
-    assert len(said) == 1 and said[0].filename == __file__       # the user's line
+    assert len(said) == 1 and said[0].filename == __file__  # the user's line
     message = str(said[0].message)
-    assert message.startswith(f"{scaled.__qualname__}: 16 new keys")     # the function
+    assert message.startswith(f"{scaled.__qualname__}: 16 new keys")  # the function
     assert "temperature=14.5 became temperature=15.5" in message  # the key, what changes
-    assert "A Python number is part of the key" in message         # the cause
-    assert "pass it as a tensor" in message and "fixed size" not in message   # the fix
+    assert "A Python number is part of the key" in message  # the cause
+    assert "pass it as a tensor" in message and "fixed size" not in message  # the fix
     rows = scaled.stats()
     assert rows[-1].key == "calls passed through (keys churn)"
     assert "pass it as a tensor" in rows[-1].fallback_reason
@@ -83,10 +84,12 @@ def test_item_says_how_to_keep_the_value_on_the_device(emulated):
             normalise(torch.ones(2))
     assert states(normalise) == [("eager", 3, 3, 0)]
     message = str(graphed_warnings(record)[0].message)
-    assert message.startswith(f"{normalise.__qualname__}(x: f32[2] cpu) runs eagerly: "
-                              f".item() at test_messages.py:")
-    assert message.endswith("keep it a tensor (without .item()), or read it outside the "
-                            "graphed function")
+    assert message.startswith(
+        f"{normalise.__qualname__}(x: f32[2] cpu) runs eagerly: .item() at test_messages.py:"
+    )
+    assert message.endswith(
+        "keep it a tensor (without .item()), or read it outside the graphed function"
+    )
 
 
 def test_a_strict_error_says_it_raised_not_that_the_call_runs_eagerly(emulated):
@@ -94,12 +97,13 @@ def test_a_strict_error_says_it_raised_not_that_the_call_runs_eagerly(emulated):
     def normalise(x):
         return x / x.abs().max().item()
 
-    normalise(torch.ones(2))                      # the warmup runs as written
+    normalise(torch.ones(2))  # the warmup runs as written
     with pytest.raises(autograph.CaptureError) as raised:
         normalise(torch.ones(2))
     text = str(raised.value)
-    assert text.startswith(f"{normalise.__qualname__}(x: f32[2] cpu) cannot be graphed, and "
-                           f"strict mode raises")
+    assert text.startswith(
+        f"{normalise.__qualname__}(x: f32[2] cpu) cannot be graphed, and strict mode raises"
+    )
     assert "runs eagerly" not in text and ".item() at test_messages.py:" in text
 
 
@@ -139,4 +143,4 @@ def test_bench_never_gives_a_negative_cost_as_a_figure(every_round):
     assert "761" not in text and "-" not in text.replace("per call", "")
     assert "within this machine's noise" in text
     assert cost_words(2.5, True).startswith("autograph adds about 2.5 us per call")
-    assert "within this machine's noise" in cost_words(2.5, False)   # rounds disagree
+    assert "within this machine's noise" in cost_words(2.5, False)  # rounds disagree

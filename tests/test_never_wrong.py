@@ -5,6 +5,7 @@ values against eager execution and what the engine did (graphed, replayed, eager
 Cases the engine does not handle yet are marked ``xfail(strict=True)`` with their cause: they
 must fail until they are fixed, and then their mark goes.
 """
+
 import collections
 import copy
 import dataclasses
@@ -17,11 +18,12 @@ import pytest
 import torch
 
 import autograph
+
 from conftest import python_run_log, states
 from helpers.knob import Knob
 
-
 # ---- item 4: outputs of every kind are new objects on every call, as eagerly ----
+
 
 class Slotted:
     __slots__ = ("v",)
@@ -138,6 +140,7 @@ def test_verify_compares_what_a_slotted_output_holds(device, caught):
 
 # ---- item 6: default parameter values are read by address ----
 
+
 def test_a_default_tensor_gets_its_grad_when_cleared_to_none(device):
     weight = torch.ones(4, device=device, requires_grad=True)
 
@@ -149,7 +152,8 @@ def test_a_default_tensor_gets_its_grad_when_cleared_to_none(device):
         weight.grad = None
         step(torch.full((4,), float(i + 1), device=device))
         assert weight.grad is not None and torch.equal(
-            weight.grad, torch.full((4,), float(i + 1), device=device)), i
+            weight.grad, torch.full((4,), float(i + 1), device=device)
+        ), i
     assert states(step)[0][0] == "graphed" and states(step)[0][3] >= 2
 
 
@@ -164,7 +168,8 @@ def test_a_keyword_only_default_holding_tensors_is_read_by_address(device):
         holder.weight.grad = None
         step(torch.full((4,), float(i + 1), device=device))
         assert holder.weight.grad is not None and torch.equal(
-            holder.weight.grad, torch.full((4,), float(i + 1), device=device)), i
+            holder.weight.grad, torch.full((4,), float(i + 1), device=device)
+        ), i
     assert states(step)[0][0] == "graphed" and states(step)[0][3] >= 2
 
 
@@ -185,13 +190,15 @@ def test_pytorch_grad_scaler_graph_pattern_with_weight_and_scaler_as_defaults(de
         fwd_bwd(torch.full((100,), float(data), device=device))
         assert scaler._scale.item() == scale
         assert weight.grad is not None and torch.equal(
-            weight.grad, torch.full_like(weight, grad)), (data, weight.grad)
+            weight.grad, torch.full_like(weight, grad)
+        ), (data, weight.grad)
         scaler.step(optimizer)
         scaler.update()
     assert states(fwd_bwd) == [("graphed", 6, 1, 5)]
 
 
 # ---- item 7: scalars that compare equal but compute differently get their own keys ----
+
 
 def _numpy():
     return pytest.importorskip("numpy")
@@ -225,8 +232,11 @@ def test_signed_zeros_get_their_own_keys(device, kind):
 
 @pytest.mark.parametrize("kind", ["float", "numpy float32", "complex"])
 def test_a_nan_scalar_key_repeats_and_is_graphed(device, kind):
-    nan = {"float": lambda: float("nan"), "numpy float32": lambda: _numpy().float32("nan"),
-           "complex": lambda: complex(float("nan"), 0.0)}[kind]
+    nan = {
+        "float": lambda: float("nan"),
+        "numpy float32": lambda: _numpy().float32("nan"),
+        "complex": lambda: complex(float("nan"), 0.0),
+    }[kind]
 
     @autograph.graphed
     def f(x, c):
@@ -239,6 +249,7 @@ def test_a_nan_scalar_key_repeats_and_is_graphed(device, kind):
 
 
 # ---- item 12: the user's exceptions are the user's, whatever they say ----
+
 
 class UserError(Exception):
     pass
@@ -260,9 +271,15 @@ def _raise_again(message):
 
 
 @pytest.mark.parametrize("how", [_raise_plain, _raise_assert, _raise_again])
-@pytest.mark.parametrize("message", [
-    "failed during graph capture", "CUDA generator not in capture mode",
-    "operation not permitted when stream is capturing", "CUDA error: an illegal address"])
+@pytest.mark.parametrize(
+    "message",
+    [
+        "failed during graph capture",
+        "CUDA generator not in capture mode",
+        "operation not permitted when stream is capturing",
+        "CUDA error: an illegal address",
+    ],
+)
 def test_a_user_exception_that_names_capture_propagates_once(device, how, message):
     log_call = python_run_log()
 
@@ -285,30 +302,45 @@ def test_a_user_exception_that_names_capture_propagates_once(device, how, messag
 
 # ---- item 13: static_argnames and static_argnums name parameters that exist ----
 
+
 def test_a_misspelled_static_argname_is_refused_at_decoration():
-    with pytest.raises(TypeError, match=r"step has no parameter 'cach'; its parameters are "
-                                        r"\(x, cache\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"step has no parameter 'cach'; its parameters are "
+        r"\(x, cache\)",
+    ):
+
         @autograph.graphed(static_argnames=["cach"])
         def step(x, cache):
             return x
 
 
 def test_an_out_of_range_static_argnum_is_refused_at_decoration():
-    with pytest.raises(TypeError, match=r"takes 2 positional argument\(s\) \(x, cache\), so "
-                                        r"position\(s\) 2 do not exist"):
+    with pytest.raises(
+        TypeError,
+        match=r"takes 2 positional argument\(s\) \(x, cache\), so "
+        r"position\(s\) 2 do not exist",
+    ):
+
         @autograph.graphed(static_argnums=[2])
         def step(x, cache):
             return x
 
 
 def test_static_arguments_of_a_method_are_counted_without_self():
-    with pytest.raises(TypeError, match=r"position\(s\) 1 do not exist. Count from 0, "
-                                        r"without self"):
+    with pytest.raises(
+        TypeError,
+        match=r"position\(s\) 1 do not exist. Count from 0, "
+        r"without self",
+    ):
+
         class Model:
             @autograph.graphed(static_argnums=[1])
             def step(self, x):
                 return x
+
     with pytest.raises(TypeError, match=r"no parameter 'self'"):
+
         class Other:
             @autograph.graphed(static_argnames=["self"])
             def step(self, x):
@@ -316,8 +348,11 @@ def test_static_arguments_of_a_method_are_counted_without_self():
 
 
 def test_static_arguments_of_a_module_are_checked_against_its_forward():
-    with pytest.raises(TypeError, match=r"Linear.forward has no parameter 'inputs'; its "
-                                        r"parameters are \(input: torch.Tensor\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"Linear.forward has no parameter 'inputs'; its "
+        r"parameters are \(input: torch.Tensor\)",
+    ):
         autograph.graphed(torch.nn.Linear(2, 2), static_argnames=["inputs"])
     with pytest.raises(TypeError, match=r"position\(s\) 1 do not exist"):
         autograph.graphed(torch.nn.Linear(2, 2), static_argnums=[1])
@@ -340,6 +375,7 @@ def test_static_arguments_that_exist_are_accepted(device):
 
 
 # ---- item 10: copy.deepcopy of graphed things: independent, graphed anew ----
+
 
 class WithGraphedMethod(torch.nn.Module):
     def __init__(self):
@@ -364,8 +400,7 @@ def _graphed_part(model):
     return model[0] if isinstance(model, torch.nn.Sequential) else model
 
 
-@pytest.mark.parametrize("make", [_graphed_module, _holder_of_a_graphed_module,
-                                  WithGraphedMethod])
+@pytest.mark.parametrize("make", [_graphed_module, _holder_of_a_graphed_module, WithGraphedMethod])
 def test_a_deep_copy_of_a_graphed_model_is_independent_and_captures_anew(device, make):
     model = make().to(device)
     x = torch.ones(3, device=device)
@@ -404,6 +439,7 @@ def test_a_deep_copy_of_a_graphed_function_has_no_graphs(device):
 
 # ---- items the engine does not handle yet (issue 21; the lead restructures the engine) ----
 
+
 def _grad_of_a_step(model, x):
     model.zero_grad()
     model(x).sum().backward()
@@ -436,8 +472,10 @@ def test_hooks_on_parameters_run_as_often_as_eagerly(device):
 
         def on_accumulated(t):
             counts[name][1] += 1
+
         m.bias.register_hook(on_grad)
         m.weight.register_post_accumulate_grad_hook(on_accumulated)
+
     hook_up(eager, "eager")
     hook_up(model, "graphed")
     model = autograph.graphed(model)
@@ -455,6 +493,7 @@ def test_hooks_on_parameters_run_as_often_as_eagerly(device):
 def _counting_backward_hook(calls):
     def count_backward(module, grad_input, grad_output):
         calls.append(1)
+
     return count_backward
 
 
@@ -751,9 +790,13 @@ def test_a_private_generator_reseeded_between_replays_draws_eagers_sequence(devi
     assert states(noisy) == [("graphed", 10, 1, 9)]
 
 
-@pytest.mark.skipif(not _generators_take_weak_references(), reason=(
-    "torch < 2.12: a torch.Generator takes no weak reference, so a generator rebound after "
-    "capture goes unseen (docs/guide/limits.md)"))
+@pytest.mark.skipif(
+    not _generators_take_weak_references(),
+    reason=(
+        "torch < 2.12: a torch.Generator takes no weak reference, so a generator rebound after "
+        "capture goes unseen (docs/guide/limits.md)"
+    ),
+)
 def test_a_private_generator_rebound_after_capture_is_drawn_from(device):
     state = {"generator": torch.Generator(device=device).manual_seed(0)}
 
@@ -774,7 +817,7 @@ def test_a_private_generator_rebound_after_capture_is_drawn_from(device):
         assert torch.equal(out, torch.randn(4, generator=reference, device=device))
     assert torch.equal(state["generator"].get_state(), reference.get_state())
     (row,) = states(noisy)
-    assert row[0] == "graphed" and row[3] > replays   # captured again, and replayed
+    assert row[0] == "graphed" and row[3] > replays  # captured again, and replayed
 
 
 def test_draws_from_the_default_generator_passed_explicitly_are_taken_back(device):

@@ -1,11 +1,12 @@
 """Outputs come back with eager's view, alias, dtype and autograd semantics (issue 35, section 3):
 a detached output stays detached, a view of a module's buffer is a view of that buffer, and a
 view of an argument as another dtype has that dtype and those bytes."""
+
 import torch
 
 import autograph
-from conftest import states
 
+from conftest import states
 
 
 def test_a_detached_output_is_detached_and_sends_no_gradient(device):
@@ -72,8 +73,11 @@ def test_views_of_an_argument_as_another_dtype_keep_their_dtype_and_bytes(device
     for _ in range(4):
         x = torch.randn(8, device=device)
         as_int, as_double, tail_as_short, _ = f(x)
-        for got, want in ((as_int, x.view(torch.int32)), (as_double, x.view(torch.float64)),
-                          (tail_as_short, x[2:].view(torch.int16))):
+        for got, want in (
+            (as_int, x.view(torch.int32)),
+            (as_double, x.view(torch.float64)),
+            (tail_as_short, x[2:].view(torch.int16)),
+        ):
             assert got.dtype == want.dtype and torch.equal(got, want)
             assert got.data_ptr() == want.data_ptr()
     assert states(f) == [("graphed", 4, 1, 3)]

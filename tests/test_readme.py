@@ -1,6 +1,7 @@
 """README.md is a landing page that stays true: its figures are the benchmark results, its
 quick start runs as written, its commands are the ones CI runs, and its words and the docs'
 are a user's, not the project's history."""
+
 import pathlib
 import re
 import subprocess
@@ -43,7 +44,7 @@ def test_the_headline_rows_exist_in_the_results():
 def test_the_first_commands_install_the_right_torch_then_autograph():
     install = code_block(README, "bash", "## Install")
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in install
-    assert "\npip install torch " in install     # the CUDA build, from PyPI
+    assert "\npip install torch " in install  # the CUDA build, from PyPI
     assert README.index("download.pytorch.org/whl/cpu") < README.index('pip install -e ".[test]"')
 
 
@@ -53,7 +54,7 @@ def test_ci_runs_the_readme_test_command():
     assert install_and_demo == 'pip install -e ".[test]" && python -m autograph bench'
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests == "python -m pytest -q tests" and f"\n{tests}\n" in ci
-    assert re.search(r'pip install -q -e "\.\[test[],]', ci)     # the test extra, as here
+    assert re.search(r'pip install -q -e "\.\[test[],]', ci)  # the test extra, as here
 
 
 def test_getting_started_shows_the_same_quick_start():
@@ -65,17 +66,20 @@ def test_the_quick_start_runs_as_written_and_says_what_happened(tmp_path):
     # A user's script: a fresh process, their own directory. Checked after it: the model was
     # captured and replayed (on the CPU through the emulation, on a GPU for real), and the
     # function that reads the host ran eagerly, said with its line and the fix.
-    check = ("\nrows = autograph.stats(model)\n"
-             "print('CHECK', rows[0].state, rows[0].replays, normalise.stats()[0].state)\n")
+    check = (
+        "\nrows = autograph.stats(model)\n"
+        "print('CHECK', rows[0].state, rows[0].replays, normalise.stats()[0].state)\n"
+    )
     script = tmp_path / "quick_start.py"
     script.write_text(code_block(README, "python", "## Quick start") + check)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     # On a GPU the payoff check times one of the calls after capture eagerly: 3 or 4 replays.
     checked = re.search(r"CHECK graphed ([34]) eager", done.stdout)
     assert checked, done.stdout
-    assert "Sequential" in done.stdout and "normalise" in done.stdout     # report()'s table
+    assert "Sequential" in done.stdout and "normalise" in done.stdout  # report()'s table
     assert "normalise(x: f32[32, 10]" in done.stderr and ".item() at quick_start.py:" in done.stderr
 
 
@@ -87,9 +91,12 @@ def test_the_quick_start_graphs_on_the_gpu(tmp_path):
 
 # Words about how the project was made, which a user cannot know: a round of work, a review,
 # an issue of this project's tracker, a session, a benchmark's case letter used as a name.
-INTERNAL = re.compile(r"\bround \d|\(round|\brounds?\b of work|\breviews? \d|\bissue \d+|"
-                      r"\bthis session|\bprevious session|\b(?:case|benchmark) \([a-z]\)|"
-                      r"\btaken back\b", re.I)
+INTERNAL = re.compile(
+    r"\bround \d|\(round|\brounds?\b of work|\breviews? \d|\bissue \d+|"
+    r"\bthis session|\bprevious session|\b(?:case|benchmark) \([a-z]\)|"
+    r"\btaken back\b",
+    re.I,
+)
 
 
 def user_pages():
@@ -115,8 +122,13 @@ def test_ratios_in_the_guides_are_measured_ones():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the docs show the CPU emulation's run")
 def test_the_sample_messages_in_the_docs_are_what_the_example_prints():
-    done = subprocess.run([sys.executable, "why_eager.py"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT / "examples")
+    done = subprocess.run(
+        [sys.executable, "why_eager.py"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT / "examples",
+    )
     assert done.returncode == 0, done.stderr
     printed = done.stderr.replace(str(ROOT / "examples") + "/", "")
     shown = code_block((DOCS / "guide" / "why-eager.md").read_text(), "", "## The messages")

@@ -1,6 +1,7 @@
 """Objects autograph does not know never make a call fail that eager runs (issue 35, section 5):
 unhashable arguments, Mapping subclasses, TorchScript modules, pickled graphed modules, and
 the island graphs that reset(f) drops."""
+
 import collections
 import io
 import os
@@ -11,6 +12,7 @@ import torch
 
 import autograph
 from autograph.api._region import engine_of
+
 from conftest import autograph_warnings, states
 
 
@@ -21,9 +23,11 @@ class _NoHash:
         self.scale = scale
 
 
-@pytest.mark.parametrize("make", [lambda: __import__("numpy").array([1.0, 2.0]),
-                                  lambda: _NoHash(2.0), lambda: bytearray(b"ab")],
-                         ids=["numpy", "hash_none", "bytearray"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: __import__("numpy").array([1.0, 2.0]), lambda: _NoHash(2.0), lambda: bytearray(b"ab")],
+    ids=["numpy", "hash_none", "bytearray"],
+)
 def test_an_unhashable_argument_runs_eagerly_with_the_reason_said_once(device, caught, make):
     @autograph.graphed
     def f(x, cfg):
@@ -54,8 +58,9 @@ def _batch_encoding(data):
     return transformers.BatchEncoding(data)
 
 
-@pytest.mark.parametrize("mapping", [collections.UserDict, _batch_encoding],
-                         ids=["UserDict", "BatchEncoding"])
+@pytest.mark.parametrize(
+    "mapping", [collections.UserDict, _batch_encoding], ids=["UserDict", "BatchEncoding"]
+)
 def test_a_mapping_subclass_is_a_container_in_graphed_and_in_a_region(device, mapping):
     @autograph.graphed
     def f(batch):
@@ -68,8 +73,12 @@ def test_a_mapping_subclass_is_a_container_in_graphed_and_in_a_region(device, ma
     net = Net()
     with autograph.region():
         for step in range(4):
-            batch = mapping({"a": torch.full((3,), float(step), device=device),
-                             "b": torch.ones(3, device=device)})
+            batch = mapping(
+                {
+                    "a": torch.full((3,), float(step), device=device),
+                    "b": torch.ones(3, device=device),
+                }
+            )
             torch.testing.assert_close(f(batch), batch["a"] * 2 + 1)
             torch.testing.assert_close(net(batch), batch["a"] * 2 + 2)
     assert states(f) == [("graphed", 4, 1, 3)]
@@ -85,11 +94,17 @@ def _tiny_sentence_transformer(tmp_path):
         file.write("\n".join(words) + "\n")
     transformers.BertTokenizer(vocab).save_pretrained(tmp_path)
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=32,
-                                     max_position_embeddings=32)
+    config = transformers.BertConfig(
+        vocab_size=len(words),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
     transformers.BertModel(config).save_pretrained(tmp_path)
     from sentence_transformers import models
+
     body = models.Transformer(str(tmp_path))
     pooling = models.Pooling(body.auto_model.config.hidden_size)
     return sentence_transformers.SentenceTransformer(modules=[body, pooling], device="cpu")
@@ -101,8 +116,7 @@ def test_sentence_transformers_encode_in_a_region(emulated, tmp_path):
     expected = model.encode(sentences, convert_to_tensor=True)
     with autograph.region():
         for _ in range(4):
-            torch.testing.assert_close(model.encode(sentences, convert_to_tensor=True),
-                                       expected)
+            torch.testing.assert_close(model.encode(sentences, convert_to_tensor=True), expected)
     assert states(model) == [("graphed", 4, 1, 3)]
 
 

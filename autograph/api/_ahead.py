@@ -10,6 +10,7 @@ capturing runs nothing. Keys already graphed or eager are left as they are. Stat
 holds its own of (a KV cache per bucket) is given as ``autograph.per_bucket(caches)``
 (``_per_bucket``): each bucket's example gets its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,29 +22,30 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 import torch
 
 from .. import _config
+from .._config import Options, logger
+from .._scope import current_region, nested_calls
+from .._stats import KeyStats
+from .._warn import warn_user
 from ..backends._collector import collector_paused
 from ..buckets._bucket_runs import note_capture, run_call
 from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key, padded_arguments
-from .._config import Options, logger
-from ..engine._key_cache import KeyCache
-from ..engine._key_life import CAPTURE, EAGER, GRAPHED, WARMUP, Call, KeyLife
 from ..capture._graph import Graph
 from ..capture._keys import call_key
-from ._per_bucket import check_markers, for_bucket
-from ._progress import progress
+from ..engine._key_cache import KeyCache
+from ..engine._key_life import CAPTURE, EAGER, GRAPHED, WARMUP, Call, KeyLife
 from ..policy._memory_budget import within_budget
 from ..watch._python_state import PythonState, per_call_reason
 from ..watch._reads import storage_ptr
-from .._scope import current_region, nested_calls
-from .._stats import KeyStats
 from ..watch._undo import UndoWrites
-from .._warn import warn_user
+from ._per_bucket import check_markers, for_bucket
+from ._progress import progress
 
 Tensor = torch.Tensor
 
 
-def capture_ahead(engine: Any, call: Callable, instance: Any, args: tuple, kwargs: dict
-                  ) -> List[KeyStats]:
+def capture_ahead(
+    engine: Any, call: Callable, instance: Any, args: tuple, kwargs: dict
+) -> List[KeyStats]:
     """Warm up and capture the keys of this example call of ``engine``'s function."""
     if _config.ENV.disable:
         return []
@@ -60,37 +62,71 @@ def capture_ahead(engine: Any, call: Callable, instance: Any, args: tuple, kwarg
     watched: Dict[int, KeyLife] = {}  # by family (its BatchShapes): its key watched first
     with collector_paused():
         for example in progress(examples, f"capturing {engine.name}"):
-            rows.append(_capture_example(engine, call, instance, example, options, cache,
-                                         names, state, region, watched))
+            rows.append(
+                _capture_example(
+                    engine, call, instance, example, options, cache, names, state, region, watched
+                )
+            )
     captured = [r for r in rows if r.state == GRAPHED]
-    logger.info("%s: captured %d graph(s) in %.2f s, %.1f MiB", engine.name, len(captured),
-                time.perf_counter() - started, sum(r.graph_bytes for r in captured) / 2**20)
+    logger.info(
+        "%s: captured %d graph(s) in %.2f s, %.1f MiB",
+        engine.name,
+        len(captured),
+        time.perf_counter() - started,
+        sum(r.graph_bytes for r in captured) / 2**20,
+    )
     return rows
 
 
-def _capture_example(engine: Any, call: Callable, instance: Any,
-                     example: Tuple[tuple, dict, Optional[Padding]], options: Options,
-                     cache: KeyCache, names: List[str], state: tuple, region: Any,
-                     watched: Dict[int, KeyLife]) -> KeyStats:
+def _capture_example(
+    engine: Any,
+    call: Callable,
+    instance: Any,
+    example: Tuple[tuple, dict, Optional[Padding]],
+    options: Options,
+    cache: KeyCache,
+    names: List[str],
+    state: tuple,
+    region: Any,
+    watched: Dict[int, KeyLife],
+) -> KeyStats:
     """Key one example call as a real call would be keyed, and capture that key."""
     example_args, example_kwargs, padding = example
-    keyed = call_key(example_args, example_kwargs, state, names, options.static_argnames,
-                     options.static_argnums)
+    keyed = call_key(
+        example_args, example_kwargs, state, names, options.static_argnames, options.static_argnums
+    )
     key = keyed.key
     if padding is not None:
         # The example's own choice of padded tensors at every size (the default rule
         # could add one whose dim happens to equal a bucket), as real calls make it.
-        key = bucket_key(example_args, example_kwargs, state, names,
-                         options.static_argnames, options.static_argnums, padding)
+        key = bucket_key(
+            example_args,
+            example_kwargs,
+            state,
+            names,
+            options.static_argnames,
+            options.static_argnums,
+            padding,
+        )
     if options is not engine.options and options != engine.options:
         key = (key, options)
     with cache.lock:
         if cache.dead_keys:
             cache.forget_dead()
-        c = Call(call, instance, example_args, example_kwargs, names, keyed.tensors,
-                 keyed.addressed, padding, region, cache, state)
-        life = cache.entries.get(key) or engine.new_life(cache, key, c, keyed.identities,
-                                                         options)
+        c = Call(
+            call,
+            instance,
+            example_args,
+            example_kwargs,
+            names,
+            keyed.tensors,
+            keyed.addressed,
+            padding,
+            region,
+            cache,
+            state,
+        )
+        life = cache.entries.get(key) or engine.new_life(cache, key, c, keyed.identities, options)
         _capture_key(life, c, watched)
         return life.stats()
 
@@ -99,8 +135,11 @@ def _capture_key(life: KeyLife, c: Call, watched: Dict[int, KeyLife]) -> None:
     """Warm ``life``'s key up and take the warmups' effects back, then capture it. A later
     bucket of a family in ``watched`` runs its last warmup unwatched (docs/design.md,
     "Capture ahead")."""
-    if life.graph is not None or life.phase not in (WARMUP, CAPTURE) \
-            or c.cache.past_max_graphs(life):
+    if (
+        life.graph is not None
+        or life.phase not in (WARMUP, CAPTURE)
+        or c.cache.past_max_graphs(life)
+    ):
         return
     family = None if c.padding is None else id(c.padding.shapes)
     like = watched.get(family) if family is not None else None
@@ -164,9 +203,9 @@ def _learn_from_capture(life: KeyLife, c: Call, graph: Graph) -> None:
     external = graph.watched_external()
     life.by_address = {ptr: weakref.ref(t.untyped_storage()) for ptr, t in external.items()}
     written = graph.written_storages
-    life.state_written = [c.tensors[i] for i in c.addressed
-                          if storage_ptr(c.tensors[i]) in written] + [
-        t for ptr, t in external.items() if ptr in written]
+    life.state_written = [
+        c.tensors[i] for i in c.addressed if storage_ptr(c.tensors[i]) in written
+    ] + [t for ptr, t in external.items() if ptr in written]
 
 
 def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:
@@ -180,37 +219,62 @@ def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:
         return
     life.warmups, life.phase = 0, WARMUP
     shown = "; ".join(made[:3]) + (f"; and {len(made) - 3} more" if len(made) > 3 else "")
-    warn_user(f"{life.function.name}.capture({life.label}): not captured: its warmup changed "
-              f"Python state ({shown}), now undone, and a graph captured after it would "
-              f"replay what later calls do, not the first call. Call it once before capture(),"
-              f" or let its first calls warm up and capture.")
+    warn_user(
+        f"{life.function.name}.capture({life.label}): not captured: its warmup changed "
+        f"Python state ({shown}), now undone, and a graph captured after it would "
+        f"replay what later calls do, not the first call. Call it once before capture(),"
+        f" or let its first calls warm up and capture."
+    )
 
 
-def _bucket_examples(name: str, options: Options, names: List[str], args: tuple,
-                     kwargs: dict, state: tuple, cache: KeyCache
-                     ) -> List[Tuple[tuple, dict, Optional[Padding]]]:
+def _bucket_examples(
+    name: str,
+    options: Options,
+    names: List[str],
+    args: tuple,
+    kwargs: dict,
+    state: tuple,
+    cache: KeyCache,
+) -> List[Tuple[tuple, dict, Optional[Padding]]]:
     """The example call resized to every bucket, largest first, with its padding; each
     ``per_bucket`` marker swapped for that bucket's value."""
-    return [_bucket_example(name, options, names, *for_bucket(args, kwargs, size), state, cache,
-                            size) for size in reversed(options.buckets or ())]
+    return [
+        _bucket_example(name, options, names, *for_bucket(args, kwargs, size), state, cache, size)
+        for size in reversed(options.buckets or ())
+    ]
 
 
-def _bucket_example(name: str, options: Options, names: List[str], args: tuple, kwargs: dict,
-                    state: tuple, cache: KeyCache, size: int
-                    ) -> Tuple[tuple, dict, Optional[Padding]]:
+def _bucket_example(
+    name: str,
+    options: Options,
+    names: List[str],
+    args: tuple,
+    kwargs: dict,
+    state: tuple,
+    cache: KeyCache,
+    size: int,
+) -> Tuple[tuple, dict, Optional[Padding]]:
     """The example resized to ``size`` rows, keyed as a real call of that size: keyed once
     per bucket, since its per-bucket values (each bucket's KV cache) differ."""
-    keyed = call_key(args, kwargs, state, names, options.static_argnames,
-                     options.static_argnums)
+    keyed = call_key(args, kwargs, state, names, options.static_argnames, options.static_argnums)
     buckets = cast(Tuple[int, ...], options.buckets)  # capture() resizes only with buckets
     padding, reason = BucketRule(buckets, options.bucket_args).padding(
-        names, args, kwargs, keyed.tensors, keyed.addressed)
+        names, args, kwargs, keyed.tensors, keyed.addressed
+    )
     if padding is None:
         raise ValueError(f"{name}.capture(): the example call cannot be bucketed: {reason}.")
-    family, stateful = family_key(args, kwargs, state, names, options.static_argnames,
-                                  options.static_argnums, padding)
-    resized_args, resized_kwargs, _ = padded_arguments(args, kwargs, keyed.tensors, padding,
-                                                       size)
-    return resized_args, resized_kwargs, dataclasses.replace(
-        padding, rows=size, bucket=size, shapes=cache.batch_shapes_of(family, options),
-        stateful=stateful)
+    family, stateful = family_key(
+        args, kwargs, state, names, options.static_argnames, options.static_argnums, padding
+    )
+    resized_args, resized_kwargs, _ = padded_arguments(args, kwargs, keyed.tensors, padding, size)
+    return (
+        resized_args,
+        resized_kwargs,
+        dataclasses.replace(
+            padding,
+            rows=size,
+            bucket=size,
+            shapes=cache.batch_shapes_of(family, options),
+            stateful=stateful,
+        ),
+    )

@@ -11,6 +11,7 @@ docstring, signature) and binds like it (methods get graphs per instance, held w
 as its instance's ``forward``: it graphs whatever ``module.forward`` was on that instance (the
 class's method, a forward set on the instance, a compiled module's forward).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,12 +25,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar, Union
 import torch
 import wrapt
 
-from ._ahead import capture_ahead
 from .. import _config
 from .._config import Options, check_option_names, check_static_arguments
-from ..engine._engine import Engine, _dynamo_callback, _is_compiling
 from .._stats import KeyStats
 from ..buckets._suggest import BucketSuggestion, suggest
+from ..engine._engine import Engine, _dynamo_callback, _is_compiling
+from ._ahead import capture_ahead
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -75,8 +76,12 @@ class GraphedFunction(wrapt.FunctionWrapper):
 
         >>> step.suggest_buckets(max_graphs=4).buckets     # e.g. [3, 8, 17, 32]
         """
-        return suggest(self.stats(), self._self_engine.options.buckets or (), max_graphs,
-                       self._self_engine.name)
+        return suggest(
+            self.stats(),
+            self._self_engine.options.buckets or (),
+            max_graphs,
+            self._self_engine.name,
+        )
 
     def __copy__(self) -> "GraphedFunction":
         """The same function graphed anew, with the same options and no graphs.
@@ -96,8 +101,9 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
 
     def capture(self, *args: Any, **kwargs: Any) -> List[KeyStats]:
         """``GraphedFunction.capture`` for this instance's graphs."""
-        return capture_ahead(self._self_parent._self_engine, self.__wrapped__,
-                             self._self_instance, args, kwargs)
+        return capture_ahead(
+            self._self_parent._self_engine, self.__wrapped__, self._self_instance, args, kwargs
+        )
 
     def stats(self) -> List[KeyStats]:
         return self._self_parent.stats()
@@ -154,8 +160,7 @@ class GraphedForward:
     >>> model.forward.stats()        # or autograph.stats(model)
     """
 
-    __slots__ = ("_self_engine", "_self_module", "_self_function", "_self_bound",
-                 "__weakref__")
+    __slots__ = ("_self_engine", "_self_module", "_self_function", "_self_bound", "__weakref__")
 
     def __init__(self, module: torch.nn.Module, forward: Callable, options: Dict[str, Any]):
         self._self_module = weakref.ref(module)
@@ -163,9 +168,13 @@ class GraphedForward:
         # this object) is not held by it in a cycle.
         self._self_bound = getattr(forward, "__self__", None) is module
         self._self_function = cast(MethodType, forward).__func__ if self._self_bound else forward
-        self._self_engine = Engine(self._self_function, options, module_label(module),
-                                   signature_of=forward_signature(module),
-                                   instance_label=type(module).__name__)
+        self._self_engine = Engine(
+            self._self_function,
+            options,
+            module_label(module),
+            signature_of=forward_signature(module),
+            instance_label=type(module).__name__,
+        )
 
     def _bound(self) -> tuple:
         module = self._self_module()
@@ -213,8 +222,12 @@ class GraphedForward:
 
     def suggest_buckets(self, max_graphs: int) -> BucketSuggestion:
         """See ``GraphedFunction.suggest_buckets``: from this module's bucketed calls."""
-        return suggest(self.stats(), self._self_engine.options.buckets or (), max_graphs,
-                       self._self_engine.name)
+        return suggest(
+            self.stats(),
+            self._self_engine.options.buckets or (),
+            max_graphs,
+            self._self_engine.name,
+        )
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> "GraphedForward":
         """The forward of a module's deep copy (an EMA model), graphed anew: same options,
@@ -229,8 +242,11 @@ class GraphedForward:
         if copied is None:  # this forward copied alone: copy its module, which holds it
             copied = copy.deepcopy(module, memo)
             return memo.get(id(self)) or installed_forward(copied)
-        forward = self._self_function.__get__(copied) if self._self_bound else \
-            copy.deepcopy(self._self_function, memo)
+        forward = (
+            self._self_function.__get__(copied)
+            if self._self_bound
+            else copy.deepcopy(self._self_function, memo)
+        )
         return GraphedForward(copied, forward, dict(self._self_engine.explicit))
 
     def __reduce__(self) -> tuple:
@@ -240,14 +256,19 @@ class GraphedForward:
         module = self._self_module()
         if module is None:
             raise ReferenceError(f"{self._self_engine.name}: its module no longer exists")
-        bound_to_class = self._self_bound and \
-            getattr(type(module), "forward", None) is self._self_function
-        return _forward_again, (module, None if bound_to_class else self.__wrapped__,
-                                dict(self._self_engine.explicit))
+        bound_to_class = (
+            self._self_bound and getattr(type(module), "forward", None) is self._self_function
+        )
+        return _forward_again, (
+            module,
+            None if bound_to_class else self.__wrapped__,
+            dict(self._self_engine.explicit),
+        )
 
 
-def _forward_again(module: torch.nn.Module, function: Optional[Callable],
-                   options: Dict[str, Any]) -> "GraphedForward":
+def _forward_again(
+    module: torch.nn.Module, function: Optional[Callable], options: Dict[str, Any]
+) -> "GraphedForward":
     """A pickled module's forward, graphed anew on the loaded module (``__reduce__``)."""
     forward = type(module).forward.__get__(module) if function is None else function
     return GraphedForward(module, forward, options)
@@ -266,8 +287,12 @@ def _graph_module(module: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.
     else:
         forward = module.forward  # what nn.Module.__call__ would run on this instance
     # An instance attribute: nn.Module.__call__ finds it first; the module stays itself.
-    check_static_arguments(Options(**options), forward_signature(module),
-                           f"{type(module).__name__}.forward", bound=False)
+    check_static_arguments(
+        Options(**options),
+        forward_signature(module),
+        f"{type(module).__name__}.forward",
+        bound=False,
+    )
     # On the instance itself: a traced module's __setattr__ would set it on the script
     # module inside, where stats(module) and regions would not find it.
     graphed_forward = GraphedForward(module, forward, options)
@@ -286,15 +311,18 @@ def _binds_first(fn: Any) -> bool:
 
 def _refuse_generators(fn: Callable) -> None:
     function = getattr(fn, "__func__", fn)
-    for check, kind in ((inspect.isgeneratorfunction, "a generator function"),
-                        (inspect.iscoroutinefunction, "an async function"),
-                        (inspect.isasyncgenfunction, "an async generator function")):
+    for check, kind in (
+        (inspect.isgeneratorfunction, "a generator function"),
+        (inspect.iscoroutinefunction, "an async function"),
+        (inspect.isasyncgenfunction, "an async generator function"),
+    ):
         if check(function):
             raise TypeError(
                 f"autograph.graphed: {getattr(function, '__qualname__', fn)} is {kind}; a "
                 f"graph replays GPU work, not Python, so its later calls would hand back the "
                 f"capture's {'coroutine' if 'async' in kind else 'generator'}. Graph the "
-                f"function it calls for each step instead.")
+                f"function it calls for each step instead."
+            )
 
 
 @overload
@@ -302,13 +330,22 @@ def graphed(fn: F) -> F: ...
 
 
 @overload
-def graphed(*, warmup: int = ..., outputs: str = ..., max_graphs: int = ...,
-            strict: Optional[bool] = ..., buckets: Optional[Sequence[int]] = ...,
-            bucket_args: Optional[Dict[str, Any]] = ...,
-            static_argnames: Sequence[str] = ..., static_argnums: Sequence[int] = ...,
-            bucket_outputs: Any = ..., verify: Optional[int] = ..., islands: bool = ...,
-            check_payoff: bool = ...,
-            max_graph_memory: Optional[Union[int, str]] = ...) -> Callable[[F], F]: ...
+def graphed(
+    *,
+    warmup: int = ...,
+    outputs: str = ...,
+    max_graphs: int = ...,
+    strict: Optional[bool] = ...,
+    buckets: Optional[Sequence[int]] = ...,
+    bucket_args: Optional[Dict[str, Any]] = ...,
+    static_argnames: Sequence[str] = ...,
+    static_argnums: Sequence[int] = ...,
+    bucket_outputs: Any = ...,
+    verify: Optional[int] = ...,
+    islands: bool = ...,
+    check_payoff: bool = ...,
+    max_graph_memory: Optional[Union[int, str]] = ...,
+) -> Callable[[F], F]: ...
 
 
 def graphed(fn: Any = None, /, **options: Any) -> Any:
@@ -365,12 +402,18 @@ def _graph(fn: Any, options: Dict[str, Any]) -> Any:
     if isinstance(fn, torch.nn.Module):
         return _graph_module(fn, options)
     if not callable(fn) and not isinstance(fn, (staticmethod, classmethod)):
-        raise TypeError(f"autograph.graphed expects a function, a method or an nn.Module, "
-                        f"not {type(fn).__name__} ({fn!r}).")
+        raise TypeError(
+            f"autograph.graphed expects a function, a method or an nn.Module, "
+            f"not {type(fn).__name__} ({fn!r})."
+        )
     _refuse_generators(fn)
     function = getattr(fn, "__func__", fn)
-    check_static_arguments(Options(**options), function,
-                           getattr(function, "__qualname__", repr(fn)), bound=_binds_first(fn))
+    check_static_arguments(
+        Options(**options),
+        function,
+        getattr(function, "__qualname__", repr(fn)),
+        bound=_binds_first(fn),
+    )
     if inspect.isfunction(fn):
         return _GraphedPlainFunction(fn, options)
     return GraphedFunction(fn, options)

@@ -8,6 +8,7 @@ bucket holds its own of (a KV cache passed with ``static_argnames``), given to o
 (``for_bucket``), so every bucket's key is the key its real calls make. A marker is nothing but
 that: a real call that keys it raises, and so does ``capture()`` of a function without buckets.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -27,7 +28,8 @@ class PerBucket:
         if not isinstance(values, Mapping) and not callable(values):
             raise TypeError(
                 f"autograph.per_bucket(values): values is a {type(values).__name__}; give a "
-                f"mapping {{bucket size: value}} or a callable size -> value.")
+                f"mapping {{bucket size: value}} or a callable size -> value."
+            )
         self.values = values
 
     def value_for(self, size: int) -> Any:
@@ -54,7 +56,8 @@ class PerBucket:
         raise ValueError(
             f"{self!r} was given to a call of a graphed function; it stands for one value per "
             f"bucket and only fn.capture(...) takes it. Give a call its bucket's own value "
-            f"(caches[4] for a call of 3 rows with buckets [1, 2, 4, 8]).")
+            f"(caches[4] for a call of 3 rows with buckets [1, 2, 4, 8])."
+        )
 
 
 def per_bucket(values: Values) -> PerBucket:
@@ -76,14 +79,14 @@ def per_bucket(values: Values) -> PerBucket:
     return PerBucket(values)
 
 
-def marked_arguments(names: Sequence[str], args: tuple, kwargs: dict) -> List[Tuple[str,
-                                                                                PerBucket]]:
+def marked_arguments(
+    names: Sequence[str], args: tuple, kwargs: dict
+) -> List[Tuple[str, PerBucket]]:
     """(the top-level argument's name, the marker) for every marker in the call."""
     found = []
     named = [(names[i] if i < len(names) else f"args[{i}]", a) for i, a in enumerate(args)]
     for name, value in named + list(kwargs.items()):
-        found += [(name, leaf) for leaf in flatten_arguments(value)[0]
-                  if type(leaf) is PerBucket]
+        found += [(name, leaf) for leaf in flatten_arguments(value)[0] if type(leaf) is PerBucket]
     return found
 
 
@@ -92,12 +95,12 @@ def for_bucket(args: tuple, kwargs: dict, size: int) -> Tuple[tuple, dict]:
     leaves, rebuild = flatten_arguments((args, kwargs))
     if not any(type(leaf) is PerBucket for leaf in leaves):
         return args, kwargs
-    return rebuild([leaf.value_for(size) if type(leaf) is PerBucket else leaf
-                    for leaf in leaves])
+    return rebuild([leaf.value_for(size) if type(leaf) is PerBucket else leaf for leaf in leaves])
 
 
-def check_markers(function: str, names: Sequence[str], args: tuple, kwargs: dict,
-                  buckets: Any) -> None:
+def check_markers(
+    function: str, names: Sequence[str], args: tuple, kwargs: dict, buckets: Any
+) -> None:
     """Raise ``ValueError`` for markers ``capture()`` cannot use: a function without buckets,
     a mapping without a value for some bucket."""
     marked = marked_arguments(names, args, kwargs)
@@ -105,7 +108,8 @@ def check_markers(function: str, names: Sequence[str], args: tuple, kwargs: dict
         raise ValueError(
             f"{function}.capture(): autograph.per_bucket(...) given for {marked[0][0]}, but "
             f"{function} has no buckets=: there is one key to capture, not one per bucket. "
-            f"Pass the value itself, or graph {function} with buckets=[...].")
+            f"Pass the value itself, or graph {function} with buckets=[...]."
+        )
     for name, marker in marked:
         missing = marker.missing(buckets)
         if missing:
@@ -113,4 +117,5 @@ def check_markers(function: str, names: Sequence[str], args: tuple, kwargs: dict
                 f"{function}.capture(): autograph.per_bucket(...) for {name} has no value "
                 f"for bucket{'s' if len(missing) > 1 else ''} {missing} of "
                 f"buckets={list(buckets)}; give a value for every bucket (or a callable "
-                f"size -> value).")
+                f"size -> value)."
+            )

@@ -6,6 +6,7 @@
 Uses ``tqdm`` when it is installed and standard error is a terminal; otherwise it is the
 plain iterable, and the ``autograph`` logger's lines (``AUTOGRAPH_LOG=info``) tell the story.
 """
+
 from __future__ import annotations
 
 import sys

@@ -12,6 +12,7 @@ every other call goes to the original. The original is put back when the last re
 so torch's global state is as before. Graphs stay with their module (held weakly) for the
 next region; graphs captured in one region share one memory pool.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,12 +25,12 @@ import torch
 
 from .. import _config
 from .._config import Options, check_option_names
-from ..engine._engine import Engine, _is_compiling
-from ._graphed import GraphedForward, forward_signature, installed_forward, module_label
-from ..policy._islands import register as register_islands
-from ..backends._pool import Pools
 from .._scope import current_region, enter_region, inside_a_graphed_call, leave_region
 from .._stats import KeyStats
+from ..backends._pool import Pools
+from ..engine._engine import Engine, _is_compiling
+from ..policy._islands import register as register_islands
+from ._graphed import GraphedForward, forward_signature, installed_forward, module_label
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +106,7 @@ class Region:
             keys = [life.stats() for life in list(self._touched.values())]
             engines = list(self._tallied.values())
         keys += [row for engine in engines for row in engine.tally_rows()]
-        return RegionStats(self.captures, self.replays, self.eager_calls, keys,
-                           self.passed_through)
+        return RegionStats(self.captures, self.replays, self.eager_calls, keys, self.passed_through)
 
     def __enter__(self) -> "Region":
         # A disabled region graphs no module call: it leaves nn.Module.__call__ as it is, so
@@ -154,8 +154,7 @@ def region(*, enabled: bool = True, **options: Any) -> Region:
 _patch_lock = threading.Lock()
 _patch_users = 0
 _original_call = torch.nn.Module.__call__
-_module_engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = \
-    weakref.WeakKeyDictionary()
+_module_engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
 
 
 def engine_of(module: torch.nn.Module) -> Any:
@@ -167,15 +166,23 @@ def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
     if _config.ENV.disable or _is_compiling():  # Dynamo: the plain call, no guard on engines
         return _original_call(module, *args, **kwargs)
     region = current_region()
-    if region is None or not region.enabled or inside_a_graphed_call() or isinstance(
-            installed_forward(module), GraphedForward):  # graphed(module) graphs itself
+    if (
+        region is None
+        or not region.enabled
+        or inside_a_graphed_call()
+        or isinstance(installed_forward(module), GraphedForward)
+    ):  # graphed(module) graphs itself
         return _original_call(module, *args, **kwargs)
     engine = _module_engines.get(module)
     if engine is None:
         # Whole calls, hooks included, with the region's options.
         engine = _module_engines[module] = Engine(
-            _class_forward(module), {}, module_label(module),
-            signature_of=forward_signature(module), instance_label=type(module).__name__)
+            _class_forward(module),
+            {},
+            module_label(module),
+            signature_of=forward_signature(module),
+            instance_label=type(module).__name__,
+        )
     return engine(_original_call.__get__(module), module, args, kwargs)
 
 

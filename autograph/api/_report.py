@@ -7,6 +7,7 @@
 
 Under ``AUTOGRAPH_LOG``, the interpreter's exit logs which functions ran keys eagerly, and why.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -19,10 +20,10 @@ from typing import Any, List, Optional, Set, TextIO
 import torch
 
 from .. import _config, _stats
+from .._stats import KeyStats
 from ..engine._engine import Engine, free
 from ._graphed import GraphedForward, installed_forward
 from ._region import Region, engine_of
-from .._stats import KeyStats
 
 
 def _engines_and_caches(target: Any) -> List[Any]:
@@ -46,8 +47,10 @@ def _engines_and_caches(target: Any) -> List[Any]:
         parent = getattr(target, "_self_parent", None)  # a method bound by wrapt
         engine = getattr(parent, "_self_engine", None)
     if engine is None:
-        raise TypeError(f"autograph: {target!r} is not graphed: pass a function or module "
-                        f"made by autograph.graphed, a module called in a region, or a region.")
+        raise TypeError(
+            f"autograph: {target!r} is not graphed: pass a function or module "
+            f"made by autograph.graphed, a module called in a region, or a region."
+        )
     return [engine]
 
 
@@ -94,8 +97,13 @@ def report(target: Any = None, file: Optional[TextIO] = None) -> None:
     file = file or sys.stdout
     isatty = getattr(file, "isatty", None)
     width = shutil.get_terminal_size().columns if isatty is not None and isatty() else None
-    notes = [DISABLED] if _config.ENV.disable else [] if rows else [
-        "autograph: no graphed function has been called."]
+    notes = (
+        [DISABLED]
+        if _config.ENV.disable
+        else []
+        if rows
+        else ["autograph: no graphed function has been called."]
+    )
     if any(row.emulated and row.capture_seconds is not None for row in rows):
         notes.append(EMULATED)
     lines = [_stats.format_table(rows, width), *_stats.memory_lines(rows)] if rows else []
@@ -103,10 +111,14 @@ def report(target: Any = None, file: Optional[TextIO] = None) -> None:
     print("\n".join(lines), file=file)
 
 
-DISABLED = ("autograph is disabled (AUTOGRAPH_DISABLE=1 in the environment): every graphed "
-            "function and region runs eagerly, and nothing is captured or counted.")
-EMULATED = ("Keys on cpu ran on the CPU emulation of CUDA graphs (autograph.testing): their "
-            "capture times and memory are the emulation's and mean nothing for a GPU.")
+DISABLED = (
+    "autograph is disabled (AUTOGRAPH_DISABLE=1 in the environment): every graphed "
+    "function and region runs eagerly, and nothing is captured or counted."
+)
+EMULATED = (
+    "Keys on cpu ran on the CPU emulation of CUDA graphs (autograph.testing): their "
+    "capture times and memory are the emulation's and mean nothing for a GPU."
+)
 
 
 def _log_fallbacks_at_exit() -> None:
@@ -120,11 +132,17 @@ def _log_fallbacks_at_exit() -> None:
     if not keys:
         return
     functions = len({function for function, _ in keys})
-    lines = [f"  {function}: {n} key{'s' * (n > 1)}, {calls[function, reason]} eager "
-             f"call{'s' * (calls[function, reason] != 1)}: {reason}"
-             for (function, reason), n in sorted(keys.items(), key=str)]
-    _config.logger.info("at exit, %d graphed function%s had keys that ran eagerly:\n%s",
-                        functions, "s" * (functions > 1), "\n".join(lines))
+    lines = [
+        f"  {function}: {n} key{'s' * (n > 1)}, {calls[function, reason]} eager "
+        f"call{'s' * (calls[function, reason] != 1)}: {reason}"
+        for (function, reason), n in sorted(keys.items(), key=str)
+    ]
+    _config.logger.info(
+        "at exit, %d graphed function%s had keys that ran eagerly:\n%s",
+        functions,
+        "s" * (functions > 1),
+        "\n".join(lines),
+    )
 
 
 if _config.ENV.log_level is not None:

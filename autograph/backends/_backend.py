@@ -7,6 +7,7 @@ The real backend is CUDA graphs (``_cuda_graphs.CUDA``); the other is the CPU em
 (``_cpu_graphs.CPU``), which ``autograph.testing`` registers while it is on (``_devices``). The
 engine, the graphs and the pools speak only this interface (docs/design.md, "Backends").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,14 @@ class Backend(Protocol):
     def new_pool(self, device: int) -> Any:
         """A new memory pool handle for graphs on ``device``."""
 
-    def capture(self, run: Callable[[], Any], device: int, pool: Any,
-                uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
+    def capture(
+        self,
+        run: Callable[[], Any],
+        device: int,
+        pool: Any,
+        uses_cudnn: bool = False,
+        generators: Sequence[Any] = (),
+    ) -> Capture:
         """Record ``run()`` into a graph; its exception goes to ``Capture.error``.
         ``generators``: the private random generators ``run()`` draws from (its warmup saw
         them), which replays must advance as eager calls do."""

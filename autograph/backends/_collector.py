@@ -15,6 +15,7 @@ before or after: garbage made meanwhile is collected by the next ordinary collec
 objects itself (a server after its start-up) keeps them frozen: nothing is frozen or thawed then,
 the collector only disabled.
 """
+
 from __future__ import annotations
 
 import gc

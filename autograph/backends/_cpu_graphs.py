@@ -22,6 +22,7 @@ the recorded ops again, without re-running Python, on the memory they used:
 
 Outside ``emulate_graphs_on_cpu()`` CPU calls are not graphed at all: they run eagerly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,12 +32,14 @@ import time
 from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Set
 
 import torch
+
 from . import _devices
 from ._backend import Capture
-from ._cpu_recorder import Recorder, RecordedOp
+from ._cpu_recorder import RecordedOp, Recorder
 
 # Emulated captures save and restore the process-wide random generator: one at a time.
 _capture_lock = threading.RLock()
+
 
 class CpuGraph:
     """The recorded ops of one capture; ``replay()`` runs them again.
@@ -62,14 +65,17 @@ class CpuGraph:
 def _counting_inductor_runs(runs: List[int]) -> Iterator[None]:
     """Count runs of Inductor-compiled graphs: their fused CPU kernels are no ATen ops, so the
     recorder can neither see nor replay them (on CUDA the capture records their kernels)."""
-    classes = {getattr(sys.modules.get(name), "CompiledFxGraph", None)
-               for name in ("torch._inductor.output_code", "torch._inductor.codecache")}
+    classes = {
+        getattr(sys.modules.get(name), "CompiledFxGraph", None)
+        for name in ("torch._inductor.output_code", "torch._inductor.codecache")
+    }
     patched = [(cls, cls.__call__) for cls in classes if cls is not None]
 
     def counting(original: Callable) -> Callable:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             runs[0] += 1
             return original(self, *args, **kwargs)
+
         return call
 
     for cls, original in patched:
@@ -134,8 +140,14 @@ class CpuGraphs:
         """No streams on the CPU: autograd nodes are made where the call runs."""
         return None
 
-    def capture(self, run: Callable[[], Any], device: int, pool: Any,
-                uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
+    def capture(
+        self,
+        run: Callable[[], Any],
+        device: int,
+        pool: Any,
+        uses_cudnn: bool = False,
+        generators: Sequence[Any] = (),
+    ) -> Capture:
         """Record ``run()`` and undo its effects; its exception goes to ``error``, not raised.
 
         Every generator the recording draws from is put back after it and drawn from afresh
@@ -152,13 +164,11 @@ class CpuGraphs:
             # As on CUDA: autocast's weight cache would hand the graph casts made before the
             # capture, which die when the autocast block ends; without it they are recorded.
             cache_enabled = torch.is_autocast_cache_enabled()
-            torch.set_autocast_cache_enabled(cache_enabled
-                                             and not torch.is_autocast_enabled("cpu"))
+            torch.set_autocast_cache_enabled(cache_enabled and not torch.is_autocast_enabled("cpu"))
             inductor_runs = [0]
             _recording.active = True
             try:
-                with _counting_inductor_runs(inductor_runs), _capturing_as_cuda_says(), \
-                        recorder:
+                with _counting_inductor_runs(inductor_runs), _capturing_as_cuda_says(), recorder:
                     # Caught inside the generator context managers, which would set the
                     # error's __traceback__ (refused by a frozen dataclass exception).
                     try:
@@ -172,7 +182,8 @@ class CpuGraphs:
             if inductor_runs[0]:
                 result.hard_error = RuntimeError(
                     "the CPU emulation cannot record Inductor's fused CPU kernels; under "
-                    "emulate_graphs_on_cpu() compile with backend='eager' or 'aot_eager'")
+                    "emulate_graphs_on_cpu() compile with backend='eager' or 'aot_eager'"
+                )
             result.graph = CpuGraph(recorder.ops)
             result.seconds = time.perf_counter() - started
             result.memory_bytes = recorder.pool_bytes()

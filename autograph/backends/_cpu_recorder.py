@@ -10,6 +10,7 @@ Tensors made during the recording are the graph's pool, held by it; tensors that
 before are read by address and held weakly (``_OutsideTensor``), so that a replay that finds
 one freed or moved raises instead of reading stale memory. See ``_cpu_graphs`` for the backend.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -18,8 +19,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from ..watch._modes import CompiledCodeRunsUnder, run_apart, tensors_in
 from ..distributed._ranks import COLLECTIVE_NAMESPACES
+from ..watch._modes import CompiledCodeRunsUnder, run_apart, tensors_in
 from ..watch._reads import written_tensors
 from ..watch._unsafe_ops import composite_keys
 
@@ -35,8 +36,9 @@ def _returns_only_views(func: Any) -> bool:
     (True, False)
     """
     returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write
-                                 for r in returns)
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
 
 
 def _rebuildable(tensor: torch.Tensor) -> bool:
@@ -45,8 +47,12 @@ def _rebuildable(tensor: torch.Tensor) -> bool:
     >>> _rebuildable(torch.ones(2)), _rebuildable(torch.ones(2).to_sparse())
     (True, False)
     """
-    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested
-            and type(tensor).__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl)
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and type(tensor).__torch_dispatch__ is torch._C._disabled_torch_dispatch_impl
+    )
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
@@ -64,8 +70,14 @@ def _layout(tensor: torch.Tensor) -> _Layout:
     >>> _layout(torch.ones(2, 3).t())
     (torch.float32, (3, 2), (1, 3), 0, False, False)
     """
-    return (tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()),
-            tensor.storage_offset(), tensor.is_conj(), tensor.is_neg())
+    return (
+        tensor.dtype,
+        tuple(tensor.size()),
+        tuple(tensor.stride()),
+        tensor.storage_offset(),
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
 
 
 def _view(storage: torch.UntypedStorage, layout: _Layout) -> torch.Tensor:
@@ -106,12 +118,14 @@ class _OutsideTensor:
         if storage is None:
             raise RuntimeError(
                 f"the emulated graph reads a tensor that was freed since capture: "
-                f"{self._description(func)}; on CUDA this would read freed memory")
+                f"{self._description(func)}; on CUDA this would read freed memory"
+            )
         if storage.data_ptr() != self._address:
             raise RuntimeError(
                 f"the emulated graph reads a tensor whose memory moved since capture (its "
                 f"storage was resized): {self._description(func)}; on CUDA this would read "
-                f"memory the tensor no longer owns")
+                f"memory the tensor no longer owns"
+            )
         return _view(storage, self._layout)
 
     def _description(self, func: Any) -> str:
@@ -129,8 +143,9 @@ class RecordedOp:
 
     __slots__ = ("func", "leaves", "spec", "outside", "results")
 
-    def __init__(self, func: Any, leaves: List[Any], spec: TreeSpec,
-                 results: List[Tuple[int, torch.Tensor]]):
+    def __init__(
+        self, func: Any, leaves: List[Any], spec: TreeSpec, results: List[Tuple[int, torch.Tensor]]
+    ):
         self.func = func
         self.leaves = leaves  # the flattened (args, kwargs); tensors as _view or _OutsideTensor
         self.spec = spec
@@ -178,10 +193,12 @@ class Recorder(CompiledCodeRunsUnder):
         # for a generator), with its state before the recording.
         default = torch.default_generator
         self.generators: Dict[int, Tuple[torch.Generator, torch.Tensor]] = {
-            default._cdata: (default, default.get_state())}
+            default._cdata: (default, default.get_state())
+        }
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func.overloadpacket is _aten.lift_fresh:
             # torch.tensor(...) made this tensor during the recording, outside any op: pool
@@ -189,8 +206,7 @@ class Recorder(CompiledCodeRunsUnder):
             # constant runs on every replay), in case the function then writes to it.
             out = func(*args, **kwargs)
             storage = self.pool[_storage_key(out)] = out.untyped_storage()
-            leaves, spec = tree_flatten(((_view(storage, _layout(out)), out.detach().clone()),
-                                         {}))
+            leaves, spec = tree_flatten(((_view(storage, _layout(out)), out.detach().clone()), {}))
             self.ops.append(RecordedOp(_aten.copy_.default, leaves, spec, []))
             return out
         if torch.Tag.inplace_view in func.tags or _returns_only_views(func):
@@ -209,7 +225,8 @@ class Recorder(CompiledCodeRunsUnder):
                     raise RuntimeError(
                         "the emulated capture draws from a random generator that its warmup "
                         "did not draw from and the call cannot reach (made inside the call?): "
-                        "on CUDA this is an unregistered CUDA generator, which torch refuses")
+                        "on CUDA this is an unregistered CUDA generator, which torch refuses"
+                    )
                 self.generators[leaf._cdata] = (leaf, leaf.get_state())
         written = written_tensors(func, args, kwargs)
         for tensor in written:
@@ -241,8 +258,9 @@ class Recorder(CompiledCodeRunsUnder):
             # The whole storage: later writes may go through other views of it.
             self.saved[key] = (storage, storage.clone())
 
-    def _new_tensors(self, output: Any, inputs: List[torch.Tensor]
-                     ) -> List[Tuple[int, torch.Tensor]]:
+    def _new_tensors(
+        self, output: Any, inputs: List[torch.Tensor]
+    ) -> List[Tuple[int, torch.Tensor]]:
         """The outputs that are new memory (not an input written in place or viewed)."""
         input_keys = {_storage_key(t) for t in inputs if _rebuildable(t)}
         flat_output, _ = tree_flatten(output)

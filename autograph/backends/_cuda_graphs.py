@@ -12,6 +12,7 @@ measured on torch 2.11 (docs/design.md, "Failed captures"): restore the caller's
 end the allocator's routing and release the pool's reference (torch < 2.14 leaks both), and run
 one empty capture to reset the default generator (torch < 2.12 leaves it "capturing").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,11 +23,10 @@ from typing import Any, Callable, ContextManager, List, Sequence, Set, Union
 
 import torch
 
+from .._config import logger
 from ._backend import Capture
 from ._collector import collector_paused
-from .._config import logger
 from ._streams import on_stream
-
 
 _capture_lock = threading.RLock()
 _streams: dict = {}
@@ -86,8 +86,12 @@ def make_library_handles(device: int, cudnn: bool, *, backward: bool = False) ->
     wanted = [(device, "cublas")] + ([(device, "cudnn")] if cudnn else [])
     if all(w in made for w in wanted):
         return
-    with torch.cuda.device(device), on_stream(_capture_stream(device)), \
-            torch.autograd.set_grad_enabled(backward), torch.autocast("cuda", enabled=False):
+    with (
+        torch.cuda.device(device),
+        on_stream(_capture_stream(device)),
+        torch.autograd.set_grad_enabled(backward),
+        torch.autocast("cuda", enabled=False),
+    ):
         for dtype in (torch.float32, torch.bfloat16):
             a = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=backward)
             out = torch.nn.functional.linear(a, a, a[0]) + a @ a
@@ -133,8 +137,9 @@ def _end_quietly(graph: "torch.cuda.CUDAGraph") -> None:
         graph.capture_end()
 
 
-def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Stream",
-                               began: bool) -> None:
+def _recover_from_hard_failure(
+    device: int, pool: Any, stream: "torch.cuda.Stream", began: bool
+) -> None:
     # The routing is ended whatever happened (ending none raises, and is ignored), but the
     # pool released only after a capture that began: a capture_begin that raised may not
     # have retained it, and a release then drives its use count below zero (torch 2.11
@@ -150,8 +155,7 @@ def _recover_from_hard_failure(device: int, pool: Any, stream: "torch.cuda.Strea
             except RuntimeError:
                 # Released already (torch decremented, then asserted "uc >= 0"): the
                 # generator reset below must happen regardless, or every later draw fails.
-                logger.debug("the pool of a failed capture on cuda:%d was released already",
-                             device)
+                logger.debug("the pool of a failed capture on cuda:%d was released already", device)
     if torch.__version__ < "2.12":
         reset = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
@@ -224,8 +228,14 @@ class CudaGraphs:
         which their backward replays and their parameters' gradients accumulate."""
         return _capture_stream(device)
 
-    def capture(self, run: Callable[[], Any], device: int, pool: Any,
-                uses_cudnn: bool = False, generators: Sequence[Any] = ()) -> Capture:
+    def capture(
+        self,
+        run: Callable[[], Any],
+        device: int,
+        pool: Any,
+        uses_cudnn: bool = False,
+        generators: Sequence[Any] = (),
+    ) -> Capture:
         graph = torch.cuda.CUDAGraph()
         result = Capture(graph)
         _register(graph, generators, device)
@@ -241,8 +251,9 @@ class CudaGraphs:
             # Only under autocast: the flag is in torch.compile's global-state guard, and
             # changing it needlessly recompiles a compiled function inside the capture.
             cache_enabled = torch.is_autocast_cache_enabled()
-            torch.set_autocast_cache_enabled(cache_enabled
-                                             and not torch.is_autocast_enabled("cuda"))
+            torch.set_autocast_cache_enabled(
+                cache_enabled and not torch.is_autocast_enabled("cuda")
+            )
             try:
                 with torch.cuda.stream(stream):
                     began = False
@@ -277,9 +288,11 @@ class CudaGraphs:
         if not addresses:
             return set()
         try:
-            segments = [(s["address"], s["address"] + s["total_size"])
-                        for s in torch.cuda.memory_snapshot()
-                        if tuple(s.get("segment_pool_id", ())) == tuple(pool)]
+            segments = [
+                (s["address"], s["address"] + s["total_size"])
+                for s in torch.cuda.memory_snapshot()
+                if tuple(s.get("segment_pool_id", ())) == tuple(pool)
+            ]
         except (RuntimeError, KeyError, TypeError):  # a snapshot format this code does not know
             return set()
         return {a for a in addresses if any(lo <= a < hi for lo, hi in segments)}
@@ -307,12 +320,14 @@ class CudaClock:
 
     def start(self, stream: Any = None) -> Any:
         import torch
+
         begin = torch.cuda.Event(enable_timing=True)
         begin.record(stream)
         return [begin, None]
 
     def stop(self, timing: Any, stream: Any = None) -> Any:
         import torch
+
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         timing[1] = end

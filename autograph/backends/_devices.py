@@ -9,6 +9,7 @@ CUDA graphs are the backend of GPU tensors. CPU tensors are graphed only while
 ``autograph.testing`` has registered its emulation (``use_emulation``): the engine asks this
 module, and never imports the emulation itself (docs/design.md, "Backends").
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,8 +65,15 @@ def choose_backend(tensors: List[Tensor]) -> Tuple[Optional[Backend], int, Optio
             return _emulation, -1, None, False
         return None, -1, ON_THE_CPU if cuda_available() else NO_CUDA, False
     if "cuda" in types and "cpu" in types:
-        return None, -1, ("it mixes CPU and CUDA tensors; the CPU work would not be replayed. "
-                          "Move every tensor argument to the GPU"), True
+        return (
+            None,
+            -1,
+            (
+                "it mixes CPU and CUDA tensors; the CPU work would not be replayed. "
+                "Move every tensor argument to the GPU"
+            ),
+            True,
+        )
     return None, -1, f"its tensors are on {sorted(types)}, not CUDA", False
 
 
@@ -88,7 +96,8 @@ def why_not_keyed(args: Sequence[Any], kwargs: dict) -> Optional[str]:
         else:
             return _cpu_reason or _first_cpu_reason()
     if (emulation is not None and emulation.is_capturing()) or (
-            torch.cuda.is_initialized() and _capturing()):
+        torch.cuda.is_initialized() and _capturing()
+    ):
         return INSIDE_A_CAPTURE
     return None
 

@@ -12,6 +12,7 @@ here, because only the pool sees every graph in it:
 - one graph's memory must not be used by two streams at once, so a replay on a new stream
   first waits for the stream of the previous replay in the pool.
 """
+
 from __future__ import annotations
 
 import threading

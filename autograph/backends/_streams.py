@@ -14,6 +14,7 @@ stream, with the C functions behind ``torch.cuda.current_stream`` and ``torch.cu
 gives the caller's current device back, as ``torch.cuda.stream()`` inside
 ``torch.cuda.device(current)`` would, so that the block sees the device it was called with.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,9 @@ _set_device = getattr(torch._C, "_cuda_setDevice", None)
 @functools.lru_cache(maxsize=256)  # streams come from torch's fixed pools: a few per GPU
 def _stream_object(handle: Tuple[int, int, int]) -> "torch.cuda.Stream":
     stream_id, device_index, device_type = handle
-    return torch.cuda.Stream(stream_id=stream_id, device_index=device_index,
-                             device_type=device_type)
+    return torch.cuda.Stream(
+        stream_id=stream_id, device_index=device_index, device_type=device_type
+    )
 
 
 def current_stream(device: int) -> "torch.cuda.Stream":

@@ -22,6 +22,7 @@ the output named. The user can name the dims (``bucket_outputs``), checked again
 One ``BatchShapes`` serves a family of keys: those equal but for the padded size and the
 objects used by address (each bucket has its own KV cache), see ``_buckets.family_key``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,21 +72,25 @@ def named_dims(spec: Any, leaves: Sequence[Any]) -> Dims:
     ((1,), ())
     """
     if isinstance(spec, int) and not isinstance(spec, bool):
-        return tuple(((spec % leaf.dim(),) if isinstance(leaf, Tensor) and leaf.dim() else ())
-                     for leaf in leaves)
+        return tuple(
+            ((spec % leaf.dim(),) if isinstance(leaf, Tensor) and leaf.dim() else ())
+            for leaf in leaves
+        )
     if not isinstance(spec, (list, tuple)) or len(spec) != len(leaves):
         raise ValueError(
             f"bucket_outputs={spec!r}: give one dim for every tensor output (an int), or one "
-            f"entry per output ({len(leaves)} here: an int, a tuple of ints, or None)")
+            f"entry per output ({len(leaves)} here: an int, a tuple of ints, or None)"
+        )
     dims = []
     for i, (entry, leaf) in enumerate(zip(spec, leaves)):
         entry = () if entry is None else (entry,) if isinstance(entry, int) else tuple(entry)
         if entry and not isinstance(leaf, Tensor):
-            raise ValueError(f"bucket_outputs[{i}]={spec[i]!r} names a dim of output {i}, "
-                             f"which is a {type(leaf).__name__}, not a tensor")
+            raise ValueError(
+                f"bucket_outputs[{i}]={spec[i]!r} names a dim of output {i}, "
+                f"which is a {type(leaf).__name__}, not a tensor"
+            )
         if any(not -leaf.dim() <= d < leaf.dim() for d in entry):
-            raise ValueError(f"bucket_outputs[{i}]={spec[i]!r}: output {i} has "
-                             f"{leaf.dim()} dims")
+            raise ValueError(f"bucket_outputs[{i}]={spec[i]!r}: output {i} has {leaf.dim()} dims")
         dims.append(tuple(sorted(d % leaf.dim() for d in entry)))
     return tuple(dims)
 
@@ -135,19 +140,27 @@ class BatchShapes:
         for size in sizes[1:]:
             other = self.runs[size]
             if len(other) != len(first) or any(
-                    a[0] != b[0] or (a[0] == "tensor" and len(a[1]) != len(b[1]))
-                    or (a[0] == "other" and a[1] is not b[1]) for a, b in zip(first, other)):
-                return (f"its outputs change in number or rank with the batch size ({sizes[0]} "
-                        f"and {size} rows): it reads the size in Python, and padding changes "
-                        f"what it does")
+                a[0] != b[0]
+                or (a[0] == "tensor" and len(a[1]) != len(b[1]))
+                or (a[0] == "other" and a[1] is not b[1])
+                for a, b in zip(first, other)
+            ):
+                return (
+                    f"its outputs change in number or rank with the batch size ({sizes[0]} "
+                    f"and {size} rows): it reads the size in Python, and padding changes "
+                    f"what it does"
+                )
         for i, (kind, _) in enumerate(first):
             if kind == "value":
                 values = {s: self.runs[s][i][1] for s in sizes}
                 if len({repr(v) for v in values.values()}) > 1:  # repr: NaN equals NaN
                     seen = ", ".join(f"{v} at {s} rows" for s, v in values.items())
-                    return (f"output {i} is a Python value that changes with the batch size "
-                            f"({seen}), such as x.shape[0] or 1.0 / x.shape[0]: padded, it would be the bucket's; "
-                            f"return a tensor, or compute it outside the function")
+                    return (
+                        f"output {i} is a Python value that changes with the batch size "
+                        f"({seen}), such as x.shape[0] or 1.0 / x.shape[0]: padded, it would be "
+                        f"the bucket's; "
+                        f"return a tensor, or compute it outside the function"
+                    )
         if self.named is not None:
             return self._named_refusal(sizes)
         for i, (kind, shape) in enumerate(first):
@@ -157,10 +170,12 @@ class BatchShapes:
                 seen = {s: self.runs[s][i][1][d] for s in sizes}
                 if len(set(seen.values())) > 1 and any(n != s for s, n in seen.items()):
                     shown = ", ".join(f"{n} at {s} rows" for s, n in seen.items())
-                    return (f"dim {d} of output {i} changes with the batch size but is not the "
-                            f"batch ({shown}; the batch flattened with another dim?): it "
-                            f"cannot be sliced back to a call's rows. Return it with the batch "
-                            f"as a dim of its own")
+                    return (
+                        f"dim {d} of output {i} changes with the batch size but is not the "
+                        f"batch ({shown}; the batch flattened with another dim?): it "
+                        f"cannot be sliced back to a call's rows. Return it with the batch "
+                        f"as a dim of its own"
+                    )
         return None
 
     def _named_refusal(self, sizes: Sequence[int]) -> Optional[str]:
@@ -169,9 +184,11 @@ class BatchShapes:
             for i, leaf_dims in enumerate(named_dims(self.named, _stand_ins(leaves))):
                 for d in leaf_dims:
                     if leaves[i][1][d] != size:
-                        return (f"bucket_outputs names dim {d} of output {i}, whose size is "
-                                f"{leaves[i][1][d]} in a run of {size} rows: it does not "
-                                f"follow the batch")
+                        return (
+                            f"bucket_outputs names dim {d} of output {i}, whose size is "
+                            f"{leaves[i][1][d]} in a run of {size} rows: it does not "
+                            f"follow the batch"
+                        )
         return None
 
     def _dims(self, bucket: int) -> Tuple[Dims, Optional[str]]:
@@ -182,8 +199,10 @@ class BatchShapes:
         dims: List[Tuple[int, ...]] = []
         for i, (kind, what) in enumerate(first):
             if kind == "value" and len(sizes) == 1 and type(what) is int and what == sizes[0]:
-                return (), (f"output {i} is the Python value {what}, the size of the only run "
-                            f"so far: it may be the batch size read in Python")
+                return (), (
+                    f"output {i} is the Python value {what}, the size of the only run "
+                    f"so far: it may be the batch size read in Python"
+                )
             if kind != "tensor":
                 dims.append(())
                 continue
@@ -194,12 +213,14 @@ class BatchShapes:
                     if all(n == s for s, n in seen):
                         follows.append(d)
                     continue
-                (size, n), = seen
+                ((size, n),) = seen
                 if n % size == 0:  # at size 1 every dim: any may be the batch
                     what = "the" if n == size else f"{n // size}x the"
-                    return (), (f"dim {d} of output {i} has {what} size of the only run so far "
-                                f"({n} at {size} rows): whether it follows the batch shows at "
-                                f"another size")
+                    return (), (
+                        f"dim {d} of output {i} has {what} size of the only run so far "
+                        f"({n} at {size} rows): whether it follows the batch shows at "
+                        f"another size"
+                    )
             dims.append(tuple(follows))
         return tuple(dims), None
 
@@ -207,5 +228,4 @@ class BatchShapes:
 def _stand_ins(leaves: Sequence[_Leaf]) -> List[Any]:
     """Meta tensors of the recorded shapes (and the other leaves as they are), for
     ``named_dims``."""
-    return [torch.empty(what, device="meta") if kind == "tensor" else what
-            for kind, what in leaves]
+    return [torch.empty(what, device="meta") if kind == "tensor" else what for kind, what in leaves]

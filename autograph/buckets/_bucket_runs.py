@@ -23,6 +23,7 @@ runs at two sizes note their ops' numbers (``_size_reads``), and one that differ
 key eager. Under ``verify=n`` the capture call's result is checked against an eager run as
 well.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,13 +31,13 @@ from typing import Any, Callable, ContextManager, List, Tuple
 
 import torch
 
-from ._buckets import padded_arguments
-from ..capture._outputs import flatten_output, real_rows
 from .._profile import profile_range
-from ..watch._reads import storage_ptr
-from ._row_mixing import SavedState, mixes_rows
-from ..watch._size_reads import NumbersOf, size_read
+from ..capture._outputs import flatten_output, real_rows
 from ..policy._verify import verified_replay
+from ..watch._reads import storage_ptr
+from ..watch._size_reads import NumbersOf, size_read
+from ._buckets import padded_arguments
+from ._row_mixing import SavedState, mixes_rows
 
 Tensor = torch.Tensor
 
@@ -79,6 +80,7 @@ def capture_call(c: Any) -> Callable[..., Any]:
     def noted(*args: Any, **kwargs: Any) -> Any:
         with NumbersOf(padding.shapes.numbers, padding.bucket):
             return c.call(*args, **kwargs)
+
     return noted
 
 
@@ -107,18 +109,25 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
             f"bucket of {bucket}, as every run of a key with per-bucket state (an argument "
             f"used by address or by identity, such as a KV cache) does, and its outputs "
             f"cannot be sliced back to {rows} rows: "
-            + (f"{decision.refused}. It now runs eagerly on the arguments as given."
-               if decision.refused is not None else
-               f"{decision.undecided}. Name the output dims that follow the batch with "
-               f"bucket_outputs= (bucket_outputs=0: dim 0 of every tensor output), or run "
-               f"{life.function.name}.capture(...) at start-up, whose runs at every "
-               f"bucket's size show them."))
+            + (
+                f"{decision.refused}. It now runs eagerly on the arguments as given."
+                if decision.refused is not None
+                else f"{decision.undecided}. Name the output dims that follow the batch with "
+                f"bucket_outputs= (bucket_outputs=0: dim 0 of every tensor output), or run "
+                f"{life.function.name}.capture(...) at start-up, whose runs at every "
+                f"bucket's size show them."
+            )
+        )
     with torch.no_grad():
         for i, t in padded.items():
             if t._version != versions[i]:
                 c.tensors[i].copy_(t.narrow(padding.dims[i][0], 0, rows))
-    return rebuild([real_rows(leaf, dims, rows) if isinstance(leaf, Tensor) else leaf
-                    for leaf, dims in zip(leaves, decision.dims)])
+    return rebuild(
+        [
+            real_rows(leaf, dims, rows) if isinstance(leaf, Tensor) else leaf
+            for leaf, dims in zip(leaves, decision.dims)
+        ]
+    )
 
 
 def _say_it_ran_padded(life: Any, error: Exception, rows: int, bucket: int) -> None:
@@ -126,12 +135,17 @@ def _say_it_ran_padded(life: Any, error: Exception, rows: int, bucket: int) -> N
     >= 3.11 prints an exception's notes; on 3.10 ``add_note`` is missing and nothing is added).
     Not run as called instead: its writes to the per-bucket state up to the error are not
     known to be undone."""
-    cause = ("bucket_args= names the padded arguments" if life.options.bucket_args is not None
-             else "an argument whose dim 0 equals the rows by chance (a weight) is padded "
-                  "too: name the batched arguments with bucket_args=")
-    note = (f"autograph: {life.function.name}({life.label}) ran on its arguments padded from "
-            f"{rows} to {bucket} rows, as every run of a key with per-bucket state (an argument "
-            f"used by address or by identity, such as a KV cache) does; {cause}")
+    cause = (
+        "bucket_args= names the padded arguments"
+        if life.options.bucket_args is not None
+        else "an argument whose dim 0 equals the rows by chance (a weight) is padded "
+        "too: name the batched arguments with bucket_args="
+    )
+    note = (
+        f"autograph: {life.function.name}({life.label}) ran on its arguments padded from "
+        f"{rows} to {bucket} rows, as every run of a key with per-bucket state (an argument "
+        f"used by address or by identity, such as a KV cache) does; {cause}"
+    )
     # Once per exception object (one raised again at each call), and never in the way of the
     # function's own exception: one that takes no note (a frozen dataclass) is raised as is.
     if note not in getattr(error, "__notes__", ()):
@@ -150,8 +164,11 @@ def refuse(life: Any, reason: str) -> None:
 def slices_unknown(padding: Any) -> bool:
     """Whether a capture call with pad rows should run eagerly instead: its bucket's size has
     run already, and which output dims to slice back is still unknown (its run shows it)."""
-    return padding.rows != padding.bucket and padding.bucket in padding.shapes.runs \
+    return (
+        padding.rows != padding.bucket
+        and padding.bucket in padding.shapes.runs
         and padding.shapes.decide(padding.rows, padding.bucket).dims is None
+    )
 
 
 def state_written(c: Any, watch: Any) -> List[Tensor]:
@@ -159,8 +176,9 @@ def state_written(c: Any, watch: Any) -> List[Tensor]:
     graph's statics: state read by address, arguments used by address."""
     copied = {storage_ptr(t) for i, t in enumerate(c.tensors) if i not in c.addressed}
     addressed = [c.tensors[i] for i in c.addressed if storage_ptr(c.tensors[i]) in watch.written]
-    return addressed + [t for ptr, t in watch.external.items()
-                        if ptr in watch.written and ptr not in copied]
+    return addressed + [
+        t for ptr, t in watch.external.items() if ptr in watch.written and ptr not in copied
+    ]
 
 
 def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
@@ -174,8 +192,9 @@ def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
     return _first_replay_at_rows(life, c, graph, False, checked)
 
 
-def _first_replay_at_rows(life: Any, c: Any, graph: Any, copy_in: bool, checked: bool
-                          ) -> Tuple[Any, bool]:
+def _first_replay_at_rows(
+    life: Any, c: Any, graph: Any, copy_in: bool, checked: bool
+) -> Tuple[Any, bool]:
     """The first replay of ``graph`` at the call's row count: (outputs, whether the graph is
     kept), ``checked`` against an eager run of the call. Checked once per row count where the
     call runs as called (``Padding.runs_as_called``): a value made from the size may agree at
@@ -209,14 +228,28 @@ def _verified_capture(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any
 
     padding = c.padding
     # Checked because padded, not by verify=: then the causes to name are the padding's.
-    explain = {} if life.options.replays_to_verify else {"loose": True, "explain": lambda d: (
-        f"padded from {padding.rows} rows to its bucket of {padding.bucket}, its result "
-        f"differs from an eager run of its own rows: {d}. It computes something "
-        f"from the batch size (a value or a tensor made from x.shape[0]) or mixes rows: "
-        f"leave it out of buckets=, or pass what it computes from the size as an argument")}
-    outputs, mismatch = verified_replay(replay, c, life.function.name, life.label,
-                                        lambda: life.function.roots(c),
-                                        eager=lambda: run_call(life, c), **explain)
+    explain = (
+        {}
+        if life.options.replays_to_verify
+        else {
+            "loose": True,
+            "explain": lambda d: (
+                f"padded from {padding.rows} rows to its bucket of {padding.bucket}, its result "
+                f"differs from an eager run of its own rows: {d}. It computes something "
+                f"from the batch size (a value or a tensor made from x.shape[0]) or mixes rows: "
+                f"leave it out of buckets=, or pass what it computes from the size as an argument"
+            ),
+        }
+    )
+    outputs, mismatch = verified_replay(
+        replay,
+        c,
+        life.function.name,
+        life.label,
+        lambda: life.function.roots(c),
+        eager=lambda: run_call(life, c),
+        **explain,
+    )
     if not kept[0]:  # the probe found mixed rows: the call ran eagerly, the key is eager
         return outputs, False
     if mismatch is not None:
@@ -254,8 +287,11 @@ def first_padded_replay(life: Any, c: Any) -> Any:
     or eagerly for good if those numbers change with the size (``_size_reads``)."""
     padding = c.padding
     numbers = padding.shapes.numbers
-    if padding.shapes.decide(padding.rows, padding.bucket).dims is None or \
-            not padding.stateful and all(size == padding.bucket for size in numbers):
+    if (
+        padding.shapes.decide(padding.rows, padding.bucket).dims is None
+        or not padding.stateful
+        and all(size == padding.bucket for size in numbers)
+    ):
         outputs = life.run_eagerly(c, watched=True)
         read = size_read(numbers, padding.bucket)
         if read is not None and life.reason is None:
@@ -296,8 +332,7 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
 
     arguments = {id(c.tensors[i]) for i in c.addressed}
     shared = [t for t in life.state_written if id(t) not in arguments]
-    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before,
-                         shared)
+    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before, shared)
     if finding is None:
         return outputs, True
     before.restore()

@@ -13,6 +13,7 @@ from the runs of the key's family (``_batch_dims``): keys equal but for the padd
 their per-bucket state. The result is cached per call key, so a call pays for this once per
 distinct shape.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,14 +59,20 @@ class Padding:
 class BucketRule:
     """The capture sizes of one function and how to find a call's size."""
 
-    def __init__(self, buckets: Tuple[int, ...], explicit: Optional[Tuple[Tuple[str, int, Any],
-                                                                        ...]]):
+    def __init__(
+        self, buckets: Tuple[int, ...], explicit: Optional[Tuple[Tuple[str, int, Any], ...]]
+    ):
         self.buckets = buckets
         self.explicit = {name: (dim, pad) for name, dim, pad in explicit} if explicit else None
 
-    def padding(self, names: Sequence[str], args: tuple, kwargs: dict,
-                tensors: Sequence[Tensor], addressed: Sequence[int]
-                ) -> Tuple[Optional[Padding], Optional[str]]:
+    def padding(
+        self,
+        names: Sequence[str],
+        args: tuple,
+        kwargs: dict,
+        tensors: Sequence[Tensor],
+        addressed: Sequence[int],
+    ) -> Tuple[Optional[Padding], Optional[str]]:
         """(how to pad this call, None), or (None, why it runs eagerly)."""
         specs = self._specs(names, args, kwargs, tensors, addressed)
         if isinstance(specs, str):
@@ -79,25 +86,36 @@ class BucketRule:
             return None, "it has 0 rows: an empty batch runs as called"
         for i, spec in enumerate(specs):
             if spec is not None and tensors[i].shape[spec[0]] != rows:
-                return None, (f"its padded arguments disagree on the size: {rows} and "
-                              f"{tensors[i].shape[spec[0]]}; name them in bucket_args")
+                return None, (
+                    f"its padded arguments disagree on the size: {rows} and "
+                    f"{tensors[i].shape[spec[0]]}; name them in bucket_args"
+                )
         bucket = next((size for size in self.buckets if size >= rows), None)
         if bucket is None:
-            return None, (f"its size {rows} is above the largest of buckets={list(self.buckets)}"
-                          f"; add a larger bucket to graph it")
+            return None, (
+                f"its size {rows} is above the largest of buckets={list(self.buckets)}"
+                f"; add a larger bucket to graph it"
+            )
         return Padding(rows, bucket, tuple(specs)), None
 
-    def _specs(self, names: Sequence[str], args: tuple, kwargs: dict,
-               tensors: Sequence[Tensor], addressed: Sequence[int]
-               ) -> Any:
+    def _specs(
+        self,
+        names: Sequence[str],
+        args: tuple,
+        kwargs: dict,
+        tensors: Sequence[Tensor],
+        addressed: Sequence[int],
+    ) -> Any:
         skipped = set(addressed)
         if self.explicit is None:
             first = next((t for i, t in enumerate(tensors) if i not in skipped and t.dim()), None)
             if first is None:
                 return [None] * len(tensors)
             rows = first.shape[0]
-            return [(0, 0) if i not in skipped and t.dim() and t.shape[0] == rows else None
-                    for i, t in enumerate(tensors)]
+            return [
+                (0, 0) if i not in skipped and t.dim() and t.shape[0] == rows else None
+                for i, t in enumerate(tensors)
+            ]
         owners = _tensor_owners(names, args, kwargs)
         unknown = sorted(set(self.explicit) - set(owners) - set(names) - set(kwargs))
         if unknown:
@@ -106,8 +124,10 @@ class BucketRule:
         for i, owner in enumerate(owners):
             spec = self.explicit.get(owner) if i not in skipped else None
             if spec is not None and not -tensors[i].dim() <= spec[0] < tensors[i].dim():
-                return (f"bucket_args[{owner!r}] pads dim {spec[0]}, but {owner} has "
-                        f"{tensors[i].dim()} dims")
+                return (
+                    f"bucket_args[{owner!r}] pads dim {spec[0]}, but {owner} has "
+                    f"{tensors[i].dim()} dims"
+                )
             specs.append(None if spec is None else (spec[0] % tensors[i].dim(), spec[1]))
         return specs
 
@@ -123,9 +143,15 @@ def _tensor_owners(names: Sequence[str], args: tuple, kwargs: dict) -> List[str]
     return owners
 
 
-def bucket_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str],
-               static_names: Sequence[str], static_nums: Sequence[int],
-               padding: Padding) -> Any:
+def bucket_key(
+    args: tuple,
+    kwargs: dict,
+    state: tuple,
+    names: Sequence[str],
+    static_names: Sequence[str],
+    static_nums: Sequence[int],
+    padding: Padding,
+) -> Any:
     """The key of the bucket's graph: the call keyed with each padded tensor at the shape of
     its static, and the padding's choice of tensors.
 
@@ -135,14 +161,14 @@ def bucket_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str],
     The padded tensors are part of the key: with the default rule a tensor whose dim 0
     happens to equal the call's size is padded too, and a graph serves one such choice.
     """
-    resize = {i: (spec[0], padding.bucket) for i, spec in enumerate(padding.dims)
-              if spec is not None}
+    resize = {
+        i: (spec[0], padding.bucket) for i, spec in enumerate(padding.dims) if spec is not None
+    }
     keyed = call_key(args, kwargs, state, names, static_names, static_nums, resize)
     return keyed.key, padding.dims
 
 
-def resized_examples(tensors: Sequence[Tensor], padding: Padding, size: int
-                     ) -> Dict[int, Tensor]:
+def resized_examples(tensors: Sequence[Tensor], padding: Padding, size: int) -> Dict[int, Tensor]:
     """Example tensors of ``size`` rows made from a call's (for ``capture()``): the first
     rows, or all of them padded with the pad value."""
     made: Dict[int, Tensor] = {}
@@ -174,9 +200,15 @@ class _PerBucket:
 _ANY_SIZE = -1
 
 
-def family_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str],
-               static_names: Sequence[str], static_nums: Sequence[int],
-               padding: Padding) -> Tuple[Any, bool]:
+def family_key(
+    args: tuple,
+    kwargs: dict,
+    state: tuple,
+    names: Sequence[str],
+    static_names: Sequence[str],
+    static_nums: Sequence[int],
+    padding: Padding,
+) -> Tuple[Any, bool]:
     """The key shared by a bucketed call's family (keys equal but for the padded size and the
     objects used by address or identity, each bucket's own KV cache), and whether the call
     has such per-bucket objects.
@@ -191,8 +223,9 @@ def family_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str],
     per_bucket = {id(keyed.tensors[i]) for i in keyed.addressed}
     per_bucket |= {id(obj) for obj in keyed.identities}
     if not per_bucket:
-        resize = {i: (spec[0], _ANY_SIZE) for i, spec in enumerate(padding.dims)
-                  if spec is not None}
+        resize = {
+            i: (spec[0], _ANY_SIZE) for i, spec in enumerate(padding.dims) if spec is not None
+        }
         return call_key(args, kwargs, state, names, (), (), resize).key, False
     leaves, rebuild = flatten_arguments((args, kwargs))
     kept = iter(range(len(keyed.tensors)))
@@ -214,8 +247,9 @@ def family_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str],
     return call_key(family_args, family_kwargs, state, names, (), (), resize).key, True
 
 
-def padded_arguments(args: tuple, kwargs: dict, tensors: Sequence[Tensor], padding: Padding,
-                     size: int) -> Tuple[tuple, dict, Dict[int, Tensor]]:
+def padded_arguments(
+    args: tuple, kwargs: dict, tensors: Sequence[Tensor], padding: Padding, size: int
+) -> Tuple[tuple, dict, Dict[int, Tensor]]:
     """The call's arguments with each padded tensor resized to ``size`` rows
     (``resized_examples``), and those tensors by index.
 
@@ -226,6 +260,7 @@ def padded_arguments(args: tuple, kwargs: dict, tensors: Sequence[Tensor], paddi
     resized = resized_examples(tensors, padding, size)
     leaves, rebuild = flatten_arguments((args, kwargs))
     index = iter(range(len(tensors)))
-    new_args, new_kwargs = rebuild([resized.get(next(index), leaf)
-                                    if isinstance(leaf, Tensor) else leaf for leaf in leaves])
+    new_args, new_kwargs = rebuild(
+        [resized.get(next(index), leaf) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    )
     return new_args, new_kwargs, resized

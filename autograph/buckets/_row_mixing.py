@@ -19,6 +19,7 @@ probe never ran. With no pad rows (a call of the bucket's own size) there is not
 A sum over the batch with the default zero padding is right and still found: the probe
 cannot tell a neutral pad value from a lucky one.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -62,15 +63,18 @@ class SavedState:
             generator.set_state(state)
 
 
-def _first_difference(first: Sequence[Tensor], second: Sequence[Tensor],
-                      dims: Sequence[Tuple[int, ...]], rows: int) -> Optional[int]:
+def _first_difference(
+    first: Sequence[Tensor], second: Sequence[Tensor], dims: Sequence[Tuple[int, ...]], rows: int
+) -> Optional[int]:
     for i, (a, b, leaf_dims) in enumerate(zip(first, second, dims)):
         for d in leaf_dims:
             a, b = a.narrow(d, 0, rows), b.narrow(d, 0, rows)
         # Bitwise: the same rows at other positions of one batched kernel compute alike.
-        if not torch.equal(a, b) and not (a.is_floating_point() and
-                                          torch.equal(a.isnan(), b.isnan()) and
-                                          torch.equal(a.nan_to_num(), b.nan_to_num())):
+        if not torch.equal(a, b) and not (
+            a.is_floating_point()
+            and torch.equal(a.isnan(), b.isnan())
+            and torch.equal(a.nan_to_num(), b.nan_to_num())
+        ):
             return i
     return None
 
@@ -89,15 +93,22 @@ def _state_changed(saved: SavedState, tensors: Sequence[Tensor]) -> Optional[str
 
 def _same_bytes(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> bool:
     device = storage.device
-    return torch.equal(torch.empty(0, dtype=torch.uint8, device=device).set_(storage),
-                       torch.empty(0, dtype=torch.uint8, device=device).set_(other))
+    return torch.equal(
+        torch.empty(0, dtype=torch.uint8, device=device).set_(storage),
+        torch.empty(0, dtype=torch.uint8, device=device).set_(other),
+    )
 
 
-def mixes_rows(replay: Callable[[], Sequence[Tensor]],
-               padded: Sequence[Tuple[Tensor, int]], rows: int,
-               written: Sequence[Tensor], first: Sequence[Tensor],
-               dims: Sequence[Tuple[int, ...]], before: Optional[SavedState] = None,
-               shared: Sequence[Tensor] = ()) -> Optional[str]:
+def mixes_rows(
+    replay: Callable[[], Sequence[Tensor]],
+    padded: Sequence[Tuple[Tensor, int]],
+    rows: int,
+    written: Sequence[Tensor],
+    first: Sequence[Tensor],
+    dims: Sequence[Tuple[int, ...]],
+    before: Optional[SavedState] = None,
+    shared: Sequence[Tensor] = (),
+) -> Optional[str]:
     """Why the graph's real rows depend on its pad rows, or None.
 
     ``replay`` replays the graph and returns its owned outputs (its own buffers); ``padded``
@@ -127,10 +138,14 @@ def mixes_rows(replay: Callable[[], Sequence[Tensor]],
     if changed is None and state is None:
         return None
     if changed is None:
-        return (f"state it writes ({state}) changed when the pad rows did: it counts the pad "
-                f"rows (a running mean or a count over the batch), so every call would drift "
-                f"it; pass the state each bucket has its own of as an argument, or leave the "
-                f"function out of buckets=")
-    return (f"output {changed} (its real rows) changed when the pad rows did: it mixes rows "
-            f"of the batch (a mean or sum over it, batch statistics such as BatchNorm in "
-            f"training, attention across rows), so the padding would change its result")
+        return (
+            f"state it writes ({state}) changed when the pad rows did: it counts the pad "
+            f"rows (a running mean or a count over the batch), so every call would drift "
+            f"it; pass the state each bucket has its own of as an argument, or leave the "
+            f"function out of buckets="
+        )
+    return (
+        f"output {changed} (its real rows) changed when the pad rows did: it mixes rows "
+        f"of the batch (a mean or sum over it, batch statistics such as BatchNorm in "
+        f"training, attention across rows), so the padding would change its result"
+    )

@@ -12,6 +12,7 @@ consecutive sizes ending at the bucket, which is itself a size seen (a bucket be
 seen sizes pads more than the larger one), and the largest size seen is always a bucket.
 O(k m^2) for m distinct sizes: milliseconds for the sizes of a server (m <= a few hundred).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,18 +86,27 @@ def best_buckets(histogram: Dict[int, int], max_graphs: int) -> List[int]:
     return sorted(buckets)
 
 
-def suggest(rows: List[KeyStats], current: Sequence[int], max_graphs: int,
-            name: str) -> BucketSuggestion:
+def suggest(
+    rows: List[KeyStats], current: Sequence[int], max_graphs: int, name: str
+) -> BucketSuggestion:
     """``fn.suggest_buckets(max_graphs=)``: the best capture sizes for the sizes seen."""
     if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-        raise ValueError(f"{name}.suggest_buckets(max_graphs={max_graphs!r}): it must be an "
-                         f"int >= 1, the number of graphs the sizes may take")
+        raise ValueError(
+            f"{name}.suggest_buckets(max_graphs={max_graphs!r}): it must be an "
+            f"int >= 1, the number of graphs the sizes may take"
+        )
     histogram = size_histogram(rows)
     if not histogram:
-        raise ValueError(f"{name}.suggest_buckets(): no bucketed calls seen yet; it suggests "
-                         f"capture sizes from the batch sizes of real calls, so call it after "
-                         f"serving some traffic with buckets=[...]")
+        raise ValueError(
+            f"{name}.suggest_buckets(): no bucketed calls seen yet; it suggests "
+            f"capture sizes from the batch sizes of real calls, so call it after "
+            f"serving some traffic with buckets=[...]"
+        )
     buckets = best_buckets(histogram, max_graphs)
-    return BucketSuggestion(buckets, round(padding_share(histogram, buckets), 4),
-                            sorted(current), round(padding_share(histogram, current), 4),
-                            sum(histogram.values()))
+    return BucketSuggestion(
+        buckets,
+        round(padding_share(histogram, buckets), 4),
+        sorted(current),
+        round(padding_share(histogram, current), 4),
+        sum(histogram.values()),
+    )

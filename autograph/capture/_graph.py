@@ -9,6 +9,7 @@ A graph reads every tensor that is not one of its arguments at the address it ha
 capture (docs/design.md, "State read by address"): ``watch_reads`` holds those weakly, and a
 freed one marks the graph invalid, so that the check before a replay is one attribute read.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Set, Tuple
@@ -47,7 +48,10 @@ class Graph:
         # Set (by the read watch) to the name of a tensor read by address that was freed.
         self.invalid_reason: Optional[str] = None
         self._unwatched: Optional[Tuple[Dict[int, Tensor], Survey, Sequence[Any]]] = (
-            recorded.watch.external, recorded.survey, recorded.drawn)
+            recorded.watch.external,
+            recorded.survey,
+            recorded.drawn,
+        )
         # The .grad of leaves its backward writes, if it ran one (None if none: asked per call).
         grads = GradSlots(recorded.survey, recorded.watch.written)
         self.grads: Optional[GradSlots] = grads if grads else None
@@ -75,8 +79,7 @@ class Graph:
         inputs = InputPlan(request.tensors, request.padding, request.addressed)
         return cls(record(request, inputs), request.pool)
 
-    def replay(self, tensors: Sequence[Tensor], padding: Any = None,
-               copy_in: bool = True) -> Any:
+    def replay(self, tensors: Sequence[Tensor], padding: Any = None, copy_in: bool = True) -> Any:
         """Copy ``tensors`` in (the real rows, for a bucket), replay, copy written arguments
         back, and return this call's outputs."""
         rows = None if padding is None else padding.rows
@@ -97,14 +100,16 @@ class Graph:
         if self.invalid_reason is None and self.grads is not None:
             self.invalid_reason = self.grads.mismatch()
         slots = self.slots
-        if self.invalid_reason is None and slots is not None and \
-                slots.seen != registrations.count:
+        if self.invalid_reason is None and slots is not None and slots.seen != registrations.count:
             self.invalid_reason = slots.changed(always=False)
         if self.invalid_reason is None and self.generators is not None:
             self.invalid_reason = self.generators.changed()
         hooks = self.hooks
-        if self.invalid_reason is None and hooks is not None and (
-                hooks.seen != RemovableHandle.next_id or hooks.held):
+        if (
+            self.invalid_reason is None
+            and hooks is not None
+            and (hooks.seen != RemovableHandle.next_id or hooks.held)
+        ):
             self.invalid_reason = hooks.changed()
             self.rehooked = self.invalid_reason is not None
         if self.invalid_reason is None and self.frozen is not None:
@@ -116,12 +121,16 @@ class Graph:
         """Why its key runs eagerly: what it reads changed once more after ``captures``
         captures."""
         if self.unfrozen or self.rehooked:
-            return (f"{self.invalid_reason}, again after {captures} captures; keep its "
-                    f"modules' hooks and their parameters' requires_grad as they are between "
-                    f"calls, or run it eagerly")
-        return (f"{self.invalid_reason}, which its graph reads by address, was freed or "
-                f"replaced again after {captures} captures; update it in place instead of "
-                f"replacing it")
+            return (
+                f"{self.invalid_reason}, again after {captures} captures; keep its "
+                f"modules' hooks and their parameters' requires_grad as they are between "
+                f"calls, or run it eagerly"
+            )
+        return (
+            f"{self.invalid_reason}, which its graph reads by address, was freed or "
+            f"replaced again after {captures} captures; update it in place instead of "
+            f"replacing it"
+        )
 
     def watched_external(self) -> Dict[int, Tensor]:
         """The tensors its capture read by address, by storage, until ``watch_reads``."""
@@ -137,8 +146,7 @@ class Graph:
             # Buffers that compiled code allocates outside the dispatcher (Inductor's) reach
             # the watch as if they were older than the capture: those in the graph's own pool
             # are its memory, not state read by address.
-            own = self.pool.backend.allocated_in_pool(self.handle, self.pool.device,
-                                                      list(external))
+            own = self.pool.backend.allocated_in_pool(self.handle, self.pool.device, list(external))
             external = {ptr: t for ptr, t in external.items() if ptr not in own}
             self.watch = ReadWatch(self, external, survey, drawn)
             self.slots = SlotWatch(survey, external)

@@ -11,6 +11,7 @@ type, so that values which compare equal but compute differently (``0.0`` and ``
 ``1`` and ``True``) get different keys. Objects without a value hash (a KV-cache object) are
 keyed by identity: the key holds their ``id``, and the caller holds them weakly.
 """
+
 from __future__ import annotations
 
 import collections.abc
@@ -84,6 +85,7 @@ def resized_meta(t: Tensor, dim: int, size: int) -> tuple:
 
 # ---- the typed parts of a key: each kind of leaf and node its own class ----
 
+
 @dataclasses.dataclass(frozen=True)
 class Node:
     """A container: its type, its context (dict keys, field names) and its children's parts."""
@@ -149,9 +151,15 @@ class KeyedCall(NamedTuple):
 Resize = Optional[Dict[int, Tuple[int, int]]]  # tensor index -> (dim, size) of its static
 
 
-def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
-             static_names: Sequence[str] = (), static_nums: Sequence[int] = (),
-             resize: Resize = None) -> KeyedCall:
+def call_key(
+    args: tuple,
+    kwargs: dict,
+    state: tuple,
+    names: Sequence[str] = (),
+    static_names: Sequence[str] = (),
+    static_nums: Sequence[int] = (),
+    resize: Resize = None,
+) -> KeyedCall:
     """The key of one call, its tensors in order, the objects it keys by identity, and the
     indices of the tensors used by address (``static_argnames`` / ``static_argnums``).
 
@@ -169,10 +177,13 @@ def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
                 break
         else:
             if resize is None:
-                return KeyedCall((len(args), *map(tensor_meta, args), state), list(args), [], [],
-                                 True)
-            metas = [tensor_meta(t) if i not in resize else resized_meta(t, *resize[i])
-                     for i, t in enumerate(args)]
+                return KeyedCall(
+                    (len(args), *map(tensor_meta, args), state), list(args), [], [], True
+                )
+            metas = [
+                tensor_meta(t) if i not in resize else resized_meta(t, *resize[i])
+                for i, t in enumerate(args)
+            ]
             return KeyedCall((len(args), *metas, state), list(args), [], [], True)
     keying = _Keying(resize)
     parts = []
@@ -181,8 +192,9 @@ def call_key(args: tuple, kwargs: dict, state: tuple, names: Sequence[str] = (),
         by_address = i in static_nums or name in static_names
         parts.append(keying.part(a, name, by_address))
     keywords = tuple((k, keying.part(v, k, k in static_names)) for k, v in kwargs.items())
-    return KeyedCall(((tuple(parts), keywords), state), keying.tensors, keying.identities,
-                     keying.addressed)
+    return KeyedCall(
+        ((tuple(parts), keywords), state), keying.tensors, keying.identities, keying.addressed
+    )
 
 
 def unsupported_tensor(tensors: Sequence[Tensor]) -> Optional[str]:
@@ -190,8 +202,10 @@ def unsupported_tensor(tensors: Sequence[Tensor]) -> Optional[str]:
     for t in tensors:
         kind = type(t)
         if kind is not Tensor and kind is not torch.nn.Parameter:
-            return (f"an argument is a {kind.__name__}, a tensor subclass: its own "
-                    f"__torch_function__/__torch_dispatch__ would not run at replay")
+            return (
+                f"an argument is a {kind.__name__}, a tensor subclass: its own "
+                f"__torch_function__/__torch_dispatch__ would not run at replay"
+            )
         if t.layout is not torch.strided:
             return f"an argument is a {t.layout} tensor; graphs take strided (dense) tensors"
         if t.is_nested:
@@ -288,9 +302,14 @@ class _Keying:
         node = _children(obj)
         if node is not None:
             kind, children, context = node
-            return Node(kind, _freeze(context), tuple(
-                self.part(c, _child_path(path, kind, context, i), by_address)
-                for i, c in enumerate(children)))
+            return Node(
+                kind,
+                _freeze(context),
+                tuple(
+                    self.part(c, _child_path(path, kind, context, i), by_address)
+                    for i, c in enumerate(children)
+                ),
+            )
         try:
             hash(obj)
         except TypeError:
@@ -308,10 +327,15 @@ def _unhashable_part(obj: Any, path: str) -> Any:
             return Value(type(obj), frozenset(map(_leaf_key, obj)))
         except TypeError:
             pass
-    return Unkeyable(type(obj), path, (
-        f"its argument {path} is an unhashable {type(obj).__name__}, "
-        f"which autograph can key neither by value nor by identity. Pass it as a tensor or a "
-        f"tuple, or bind it outside the graphed function, to graph these calls"))
+    return Unkeyable(
+        type(obj),
+        path,
+        (
+            f"its argument {path} is an unhashable {type(obj).__name__}, "
+            f"which autograph can key neither by value nor by identity. Pass it as a tensor or a "
+            f"tuple, or bind it outside the graphed function, to graph these calls"
+        ),
+    )
 
 
 def unkeyable_reason(key: Any) -> Optional[str]:
@@ -328,6 +352,7 @@ def unkeyable_reason(key: Any) -> Optional[str]:
 
 # ---- readable keys for messages and stats ----
 
+
 def _short_repr(obj: Any, limit: int = 40) -> str:
     text = repr(obj)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -340,12 +365,16 @@ def _describe(path: str, obj: Any, parts: List[str], resized: Dict[int, torch.Si
     node = _children(obj)
     if node is None:
         keyed_by_identity = type(obj).__hash__ is object.__hash__
-        parts.append(f"{path}=<{type(obj).__name__}>" if keyed_by_identity
-                     else f"{path}={_short_repr(obj)}")
+        parts.append(
+            f"{path}=<{type(obj).__name__}>" if keyed_by_identity else f"{path}={_short_repr(obj)}"
+        )
         return
     kind, children, context = node
-    if is_mapping(kind) or (isinstance(context, tuple) and len(context) == len(children)
-                        and all(isinstance(c, str) for c in context)):
+    if is_mapping(kind) or (
+        isinstance(context, tuple)
+        and len(context) == len(children)
+        and all(isinstance(c, str) for c in context)
+    ):
         labels = [f"[{k!r}]" if is_mapping(kind) else f".{k}" for k in context]
     elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
         labels = [f".{f}" for f in obj._fields]
@@ -355,8 +384,9 @@ def _describe(path: str, obj: Any, parts: List[str], resized: Dict[int, torch.Si
         _describe(path + label, child, parts, resized)
 
 
-def describe_parts(names: Sequence[str], args: tuple, kwargs: dict,
-                   resized: Optional[Dict[int, torch.Size]] = None) -> List[str]:
+def describe_parts(
+    names: Sequence[str], args: tuple, kwargs: dict, resized: Optional[Dict[int, torch.Size]] = None
+) -> List[str]:
     """One ``name: f32[8, 512] cuda:0`` or ``name=3`` part per leaf of the call; ``resized``
     gives some tensors (by ``id``) the shape they are padded to."""
     parts: List[str] = []
@@ -368,8 +398,9 @@ def describe_parts(names: Sequence[str], args: tuple, kwargs: dict,
     return parts
 
 
-def describe_call(names: Sequence[str], args: tuple, kwargs: dict, state: tuple,
-                  max_parts: int = 8) -> str:
+def describe_call(
+    names: Sequence[str], args: tuple, kwargs: dict, state: tuple, max_parts: int = 8
+) -> str:
     """A readable key: ``x: f32[8, 512] cuda:0, n=3 (no_grad)``."""
     return join_parts(describe_parts(names, args, kwargs), state, max_parts)
 

@@ -7,6 +7,7 @@
 Every container and object in an output is new on every call, as eager execution would
 return it (docs/design.md, "Outputs"); tensors are planned by ``_plan.OutputPlan``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,17 +23,33 @@ from ._keys import _children, is_mapping
 Tensor = torch.Tensor
 
 # Values that are safe to hand out again on every call: nothing can change them.
-_IMMUTABLE = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device,
-              torch.layout, torch.memory_format, torch.Size, enum.Enum, frozenset, range,
-              type)
+_IMMUTABLE = (
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+    enum.Enum,
+    frozenset,
+    range,
+    type,
+)
 
 # (labels, children, rebuild): a container's children, what each is called in messages
 # (".logits", "[0]", "['past']"), and how to make the container anew from new children.
 OutputNode = Tuple[List[str], list, Callable[[list], Any]]
 
 
-def flatten_output(obj: Any, given: Sequence[Any] = ()
-                   ) -> Tuple[list, Callable[[Sequence[Any]], Any]]:
+def flatten_output(
+    obj: Any, given: Sequence[Any] = ()
+) -> Tuple[list, Callable[[Sequence[Any]], Any]]:
     """The leaves of a returned pytree and a function that rebuilds it from new leaves.
 
     >>> leaves, rebuild = flatten_output(Out(v=x))      # Out has __slots__ = ("v",)
@@ -69,13 +86,17 @@ def output_node(obj: Any, given: Optional[Set[int]]) -> Optional[OutputNode]:
     containers a key walks (tuples, lists, dicts, pytree nodes, namedtuples, dataclasses).
     """
     kind = type(obj)
-    if given is None or kind is tuple or kind is list or kind is dict \
-            or kind in _pytree.SUPPORTED_NODES:
+    if (
+        given is None
+        or kind is tuple
+        or kind is list
+        or kind is dict
+        or kind in _pytree.SUPPORTED_NODES
+    ):
         return _container_node(obj)
     # Modules, functions and classes are returned as themselves: eager returns the object
     # the function holds, not a new one.
-    if id(obj) in given or callable(obj) or isinstance(obj, (Tensor, torch.nn.Module,
-                                                             _IMMUTABLE)):
+    if id(obj) in given or callable(obj) or isinstance(obj, (Tensor, torch.nn.Module, _IMMUTABLE)):
         return None
     return _object_node(obj)
 
@@ -86,12 +107,14 @@ def _container_node(obj: Any) -> Optional[OutputNode]:
         return None
     kind, children, context = node
     if kind is dict:
-        return [f"[{k!r}]" for k in context], children, lambda values: dict(zip(context,
-                                                                                  values))
+        return [f"[{k!r}]" for k in context], children, lambda values: dict(zip(context, values))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         labels = [f".{f}" for f in obj._fields]
-    elif (isinstance(context, (list, tuple)) and len(context) == len(children)
-          and all(isinstance(c, str) for c in context)):
+    elif (
+        isinstance(context, (list, tuple))
+        and len(context) == len(children)
+        and all(isinstance(c, str) for c in context)
+    ):
         labels = [f".{c}" for c in context]  # dataclasses, HF ModelOutput
     else:
         labels = [f"[{i}]" for i in range(len(children))]
@@ -104,8 +127,11 @@ def _container_node(obj: Any) -> Optional[OutputNode]:
         return labels, children, lambda values: kind(*values)
     template = copy.copy(obj)
     if is_mapping(kind):  # a UserDict, an HF BatchEncoding: its attributes kept, items new
-        return [f"[{k!r}]" for k in context], children, lambda values: _with_items(
-            template, context, values)
+        return (
+            [f"[{k!r}]" for k in context],
+            children,
+            lambda values: _with_items(template, context, values),
+        )
 
     def with_fields(values: list) -> Any:
         new = copy.copy(template)
@@ -136,15 +162,21 @@ def _object_node(obj: Any) -> Optional[OutputNode]:
         return None  # a global, by name
     func, args, state, items, pairs = (*reduced, None, None, None)[:5]
     fixed = tuple(args[:1]) if func is copyreg.__newobj__ else ()  # the class
-    arguments = list(args[len(fixed):])
+    arguments = list(args[len(fixed) :])
     fields = getattr(obj, "_fields", None) if isinstance(obj, tuple) else None
-    labels = [f".{f}" for f in fields] if fields and len(fields) == len(arguments) else \
-        [f"[{i}]" for i in range(len(arguments))]
+    labels = (
+        [f".{f}" for f in fields]
+        if fields and len(fields) == len(arguments)
+        else [f"[{i}]" for i in range(len(arguments))]
+    )
     # State as copy._reconstruct takes it: a __dict__, (__dict__, slots), or anything else.
     if isinstance(state, dict):
         parts: List[Optional[dict]] = [state]
-    elif (isinstance(state, tuple) and len(state) == 2
-          and all(s is None or isinstance(s, dict) for s in state)):
+    elif (
+        isinstance(state, tuple)
+        and len(state) == 2
+        and all(s is None or isinstance(s, dict) for s in state)
+    ):
         parts = list(state)
     else:
         parts = []
@@ -157,30 +189,33 @@ def _object_node(obj: Any) -> Optional[OutputNode]:
     labels += [f"[{i}]" for i in range(len(items))]
     pairs = list(pairs) if pairs is not None else []
     labels += [f"[{k!r}]" for k, _ in pairs]
-    children = [*arguments, *[p[n] for p, part_names in zip(parts, names)
-                             for n in part_names]]
+    children = [*arguments, *[p[n] for p, part_names in zip(parts, names) for n in part_names]]
     children += [state] * other + items + [v for _, v in pairs]
 
     def remade(new: list) -> Any:
         at = iter(new)
         new_args = fixed + tuple(next(at) for _ in arguments)
         if parts:
-            new_parts = [None if p is None else {n: next(at) for n in part_names}
-                         for p, part_names in zip(parts, names)]
+            new_parts = [
+                None if p is None else {n: next(at) for n in part_names}
+                for p, part_names in zip(parts, names)
+            ]
             new_state: Any = new_parts[0] if isinstance(state, dict) else tuple(new_parts)
         else:
             new_state = next(at) if other else None
         new_items = [next(at) for _ in items]
         new_pairs = [(k, next(at)) for k, _ in pairs]
         # copy._reconstruct without a memo is copy.copy's own rebuild (shallow).
-        return copy._reconstruct(obj, None, func, new_args, new_state, iter(new_items),
-                                 iter(new_pairs))
+        return copy._reconstruct(
+            obj, None, func, new_args, new_state, iter(new_items), iter(new_pairs)
+        )
 
     return labels, children, remade
 
 
-def _output_builder(obj: Any, leaves: list, given: Optional[Set[int]], active: Set[int]
-                    ) -> Callable[[Sequence[Any]], Any]:
+def _output_builder(
+    obj: Any, leaves: list, given: Optional[Set[int]], active: Set[int]
+) -> Callable[[Sequence[Any]], Any]:
     """``given``: see ``output_node``; ``active``: the objects being walked, so that an
     object that holds itself is a leaf, not an endless walk."""
     node = None if id(obj) in active else output_node(obj, given)

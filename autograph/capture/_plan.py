@@ -16,6 +16,7 @@ cloned (``outputs="copy"``), or handed out as fresh aliases of the graph's buffe
 replay of any of its graphs, and the plan poisons it when the graph is released, so reading it
 then raises instead of showing another call's data or freed memory (docs/design.md, "Outputs").
 """
+
 from __future__ import annotations
 
 import weakref
@@ -24,8 +25,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 
 from .._config import logger
-from ._outputs import flatten_arguments, flatten_output, real_rows
 from ..watch._reads import storage_ptr
+from ._outputs import flatten_arguments, flatten_output, real_rows
 from ._views import UnplannableOutput, View, held_storages
 
 Tensor = torch.Tensor
@@ -59,21 +60,31 @@ class InputPlan:
     (``static_argnames``) are their own statics: used by address, never copied.
     """
 
-    def __init__(self, tensors: Sequence[Tensor], padding: Any = None,
-                 addressed: Sequence[int] = ()):
+    def __init__(
+        self, tensors: Sequence[Tensor], padding: Any = None, addressed: Sequence[int] = ()
+    ):
         self.padding = padding
         self.addressed = set(addressed)
-        expanded = [() if padding is not None and padding.dims[i] is not None
-                    else _expanded_dims(t) for i, t in enumerate(tensors)]
+        expanded = [
+            () if padding is not None and padding.dims[i] is not None else _expanded_dims(t)
+            for i, t in enumerate(tensors)
+        ]
         self.expanded = expanded if any(expanded) else None
         # Normal tensors even under inference_mode: their version counters reveal the
         # arguments the function writes to (inference tensors have none).
         with torch.inference_mode(False):
-            self.statics = [t if i in self.addressed else self._static_for(t, i)
-                            for i, t in enumerate(tensors)]
-            self.templates = {} if padding is None else {
-                i: torch.full_like(self.statics[i], spec[1])
-                for i, spec in enumerate(padding.dims) if spec is not None}
+            self.statics = [
+                t if i in self.addressed else self._static_for(t, i) for i, t in enumerate(tensors)
+            ]
+            self.templates = (
+                {}
+                if padding is None
+                else {
+                    i: torch.full_like(self.statics[i], spec[1])
+                    for i, spec in enumerate(padding.dims)
+                    if spec is not None
+                }
+            )
         self._recipes: Dict[int, Tuple[List[Tensor], List[Any], List[Tuple[int, int, Any]]]] = {}
         self._shapes = [s.shape for s in self.statics]
         # The arguments copied in on every replay (those used by address are their statics).
@@ -87,13 +98,14 @@ class InputPlan:
         elif self.expanded is None:
             copy_all(self.statics, list(tensors))
         else:
-            copy_all([_narrow_expanded(s, d) for s, d in zip(self.statics, expanded)],
-                     [_narrow_expanded(t, d) for t, d in zip(tensors, expanded)])
+            copy_all(
+                [_narrow_expanded(s, d) for s, d in zip(self.statics, expanded)],
+                [_narrow_expanded(t, d) for t, d in zip(tensors, expanded)],
+            )
 
     def _static_for(self, t: Tensor, index: int) -> Tensor:
         if self.padding is not None and self.padding.dims[index] is not None:
-            return torch.empty(self.padding.padded_shape(t, index), dtype=t.dtype,
-                               device=t.device)
+            return torch.empty(self.padding.padded_shape(t, index), dtype=t.dtype, device=t.device)
         return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
 
     def substitute(self, args: tuple, kwargs: dict) -> Tuple[tuple, dict, list]:
@@ -102,14 +114,20 @@ class InputPlan:
         leaves, rebuild = flatten_arguments((args, kwargs))
         statics = iter(self.statics)
         static_args, static_kwargs = rebuild(
-            [next(statics) if isinstance(leaf, Tensor) else leaf for leaf in leaves])
-        return static_args, static_kwargs, [leaf for leaf in leaves
-                                            if not isinstance(leaf, Tensor)]
+            [next(statics) if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+        )
+        return static_args, static_kwargs, [leaf for leaf in leaves if not isinstance(leaf, Tensor)]
 
     def resized(self) -> Optional[int]:
         """The index of an argument whose static the capture resized, or None."""
-        return next((i for i, (s, shape) in enumerate(zip(self.statics, self._shapes))
-                     if i not in self.addressed and s.shape != shape), None)
+        return next(
+            (
+                i
+                for i, (s, shape) in enumerate(zip(self.statics, self._shapes))
+                if i not in self.addressed and s.shape != shape
+            ),
+            None,
+        )
 
     def versions(self) -> List[int]:
         return [-1 if i in self.addressed else s._version for i, s in enumerate(self.statics)]
@@ -118,10 +136,14 @@ class InputPlan:
         """Note the arguments the capture wrote: by their version counters, and by the storages
         that ops' schemas say they write (``written``): ``_foreach_add_`` and its kin move no
         version counter under a dispatch mode."""
-        self.mutated = [i for i, s in enumerate(self.statics)
-                        if i not in self.addressed and (
-                            s._version != before[i]
-                            or (s.numel() and s.untyped_storage().data_ptr() in written))]
+        self.mutated = [
+            i
+            for i, s in enumerate(self.statics)
+            if i not in self.addressed
+            and (
+                s._version != before[i] or (s.numel() and s.untyped_storage().data_ptr() in written)
+            )
+        ]
 
     def forget_addressed(self) -> None:
         """Let go of the arguments used by address, once captured: the graph reads them by
@@ -142,8 +164,10 @@ class InputPlan:
             else:
                 copy_all(self.statics, tensors)
         else:
-            copy_all([_narrow_expanded(self.statics[i], self.expanded[i]) for i in self._copied],
-                     [_narrow_expanded(tensors[i], self.expanded[i]) for i in self._copied])
+            copy_all(
+                [_narrow_expanded(self.statics[i], self.expanded[i]) for i in self._copied],
+                [_narrow_expanded(tensors[i], self.expanded[i]) for i in self._copied],
+            )
 
     def _copy_rows_in(self, tensors: Sequence[Tensor], rows: int) -> None:
         recipe = self._recipes.get(rows)
@@ -272,14 +296,25 @@ class OutputPlan:
     id that existed before the call (parameters, state read by address); one returned as it
     is comes back as that very tensor, held weakly."""
 
-    def __init__(self, result: Any, statics: Sequence[Tensor], policy: str, label: str,
-                 pool: Any = None, given: Sequence[Any] = (), padding: Any = None,
-                 outside: Optional[Dict[int, Tensor]] = None):
+    def __init__(
+        self,
+        result: Any,
+        statics: Sequence[Tensor],
+        policy: str,
+        label: str,
+        pool: Any = None,
+        given: Sequence[Any] = (),
+        padding: Any = None,
+        outside: Optional[Dict[int, Tensor]] = None,
+    ):
         leaves, self.rebuild = flatten_output(result, given)
         input_storages = {storage_ptr(s): i for i, s in enumerate(statics) if s.numel()}
         held = held_storages(outside)
-        padded = set() if padding is None else {i for i, spec in enumerate(padding.dims)
-                                                 if spec is not None}
+        padded = (
+            set()
+            if padding is None
+            else {i for i, spec in enumerate(padding.dims) if spec is not None}
+        )
         self.plan: List[Any] = []  # per leaf: _Owned, _Argument, _ArgumentView, _Given...
         self.owned: List[Tensor] = []
         # Buckets: the capture's output leaves (evidence of which dims follow the batch, taken
@@ -305,7 +340,8 @@ class OutputPlan:
                     raise UnplannableOutput(
                         "it returns a view of an argument padded to a bucket, whose layout "
                         "differs from call to call; return a copy (.clone()) or name the "
-                        "arguments to pad with bucket_args")
+                        "arguments to pad with bucket_args"
+                    )
                 self.plan.append(_ArgumentView(i, View.of_leaf(leaf, statics[i])))
             elif leaf.numel() and storage_ptr(leaf) in held:
                 base = held[storage_ptr(leaf)]
@@ -326,11 +362,15 @@ class OutputPlan:
     def _protect_static(self, policy: str, label: str) -> None:
         """With outputs='static' (on a CUDA build that can), the messages that stale aliases
         raise, and their poisoning when this plan (and the graph's buffers) goes away."""
-        self.static = (policy == "static" and _CAN_POISON and bool(self.owned)
-                       and self.owned[0].is_cuda)
+        self.static = (
+            policy == "static" and _CAN_POISON and bool(self.owned) and self.owned[0].is_cuda
+        )
         if policy == "static" and self.owned and not self.static:
-            logger.info("%s: outputs='static' needs a CUDA build of torch >= 2.6 to protect "
-                        "stale outputs; returning copies instead", label)
+            logger.info(
+                "%s: outputs='static' needs a CUDA build of torch >= 2.6 to protect "
+                "stale outputs; returning copies instead",
+                label,
+            )
         self.overwritten_message = (
             f"autograph: this output of {label} was overwritten by a later call: with "
             f"outputs='static', graphs of one function (or one region) reuse their buffers. "
@@ -356,15 +396,24 @@ class OutputPlan:
             target = made.get(storage.data_ptr())
             if target is None:
                 target = made[storage.data_ptr()] = make(storage, o)
-            outputs.append(torch.empty(0, dtype=o.dtype, device=o.device)
-                           .set_(target, o.storage_offset(), o.size(), o.stride()))
+            outputs.append(
+                torch.empty(0, dtype=o.dtype, device=o.device).set_(
+                    target, o.storage_offset(), o.size(), o.stride()
+                )
+            )
         return outputs
 
     def _copies(self) -> List[Tensor]:
         if not self.shared:
             return [o.clone() for o in self.owned]
-        return self._on_new_storages(lambda storage, o: torch.empty(
-            0, dtype=torch.uint8, device=o.device).set_(storage).clone().untyped_storage())
+        return self._on_new_storages(
+            lambda storage, o: (
+                torch.empty(0, dtype=torch.uint8, device=o.device)
+                .set_(storage)
+                .clone()
+                .untyped_storage()
+            )
+        )
 
     def _aliases(self) -> List[Tensor]:
         if self.pool is not None and id(self) not in self.pool.static_plans:
@@ -373,7 +422,8 @@ class OutputPlan:
 
     def _alias_storage(self, storage: Any, output: Tensor) -> Any:
         alias = torch._C._construct_storage_from_data_pointer(
-            storage.data_ptr(), output.device, storage.nbytes())
+            storage.data_ptr(), output.device, storage.nbytes()
+        )
         self.handed_out.append(alias)
         return alias
 
@@ -397,11 +447,15 @@ class OutputPlan:
                 return self.owned[0].clone()  # owned, not a leaf kept: training detaches it
             owned = self._aliases() if self.static else self._copies()
         elif self.static or self.shared:
-            owned = [real_rows(o, dims, padding.rows) for o, dims in
-                     zip(self._aliases() if self.static else self._copies(), self.follows)]
+            owned = [
+                real_rows(o, dims, padding.rows)
+                for o, dims in zip(self._aliases() if self.static else self._copies(), self.follows)
+            ]
         else:  # only the real rows are copied
-            owned = [real_rows(o, dims, padding.rows).clone()
-                     for o, dims in zip(self.owned, self.follows)]
+            owned = [
+                real_rows(o, dims, padding.rows).clone()
+                for o, dims in zip(self.owned, self.follows)
+            ]
         return self.assemble(owned, tensors)
 
     def assemble(self, owned: Sequence[Tensor], tensors: Sequence[Tensor]) -> Any:

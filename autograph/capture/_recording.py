@@ -10,6 +10,7 @@ check of the function's error (``refuse_error``), and records its backward after
 else is here, so every refusal and every warm-up applies to both (docs/design.md, "One capture
 sequence"). Nothing of the call runs: a caller that wants this call's effects replays once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,10 +21,10 @@ import torch
 
 from ..backends._backend import Capture
 from ..watch._guard import Finding, UnsafeOpDetector, classify_capture_error
+from ..watch._reads import CallWatch, Survey, storage_ptr
+from ._outputs import flatten_output
 from ._plan import InputPlan, OutputPlan, UnplannableOutput
 from ._views import held_storages
-from ._outputs import flatten_output
-from ..watch._reads import CallWatch, Survey, storage_ptr
 
 Tensor = torch.Tensor
 
@@ -46,15 +47,15 @@ def _refuse_if_padded(padding: Any, capture: Capture) -> None:
     whose dim 0 equals the rows by chance), not the caller's error. Nothing of the capture
     runs; the call runs eagerly, as called. A KeyboardInterrupt or SystemExit is no sign of
     a wrong guess: it comes out, as the function's own exception does."""
-    if padding is None or not padding.runs_as_called or not isinstance(capture.error,
-                                                                       Exception):
+    if padding is None or not padding.runs_as_called or not isinstance(capture.error, Exception):
         return
     error, capture.graph = capture.error, None  # the graph dropped now, as ``record`` does
     raise refused(
         f"it raised when run on its arguments padded from {padding.rows} to {padding.bucket} "
         f"rows ({type(error).__name__}: {error}), and ran as called: an argument whose dim 0 "
         f"equals the rows by chance is padded too. Name the batched arguments with "
-        f"bucket_args=")
+        f"bucket_args="
+    )
 
 
 class CaptureFailed(Exception):
@@ -121,9 +122,12 @@ class Recorded:
     drawn: Sequence[Any] = ()  # the private random generators its capture drew from
 
 
-def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = (),
-           refuse_error: Callable[[BaseException], Optional[str]] = lambda error: None
-           ) -> Recorded:
+def record(
+    request: CaptureRequest,
+    inputs: InputPlan,
+    watches: Sequence[Any] = (),
+    refuse_error: Callable[[BaseException], Optional[str]] = lambda error: None,
+) -> Recorded:
     """Capture ``request.call`` on ``inputs``' statics under the guard, the read watch and
     ``watches``; nothing runs yet.
 
@@ -147,9 +151,13 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
             return request.call(*static_args, **static_kwargs)
 
     try:
-        capture = request.backend.capture(run, request.device,
-                                          request.pool.handle_for_capture(), request.uses_cudnn,
-                                          _generators(request.generators, survey))
+        capture = request.backend.capture(
+            run,
+            request.device,
+            request.pool.handle_for_capture(),
+            request.uses_cudnn,
+            _generators(request.generators, survey),
+        )
         _refuse(capture, detector, refuse_error)
         inputs.note_writes(before, watch.written)
         resized = inputs.resized()
@@ -157,7 +165,8 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
             raise refused(
                 f"it resizes its argument {resized} (an out= tensor of another size, or "
                 f"resize_()), and a graph's inputs keep their size and address. Pass a tensor "
-                f"of the output's size")
+                f"of the output's size"
+            )
         if capture.error is not None:  # the function's own: run what it did before, raise it
             _refuse_if_padded(request.padding, capture)
             error = capture.error
@@ -169,8 +178,16 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
             del capture
             raise error
         outside = survey.tensors()
-        outputs = OutputPlan(capture.outputs, inputs.statics, request.policy, request.label,
-                             request.pool, given, request.padding, outside)
+        outputs = OutputPlan(
+            capture.outputs,
+            inputs.statics,
+            request.policy,
+            request.label,
+            request.pool,
+            given,
+            request.padding,
+            outside,
+        )
         _watch_returned(capture.outputs, given, outside, watch)
     except UnplannableOutput as unplannable:
         survey.restore_grads()
@@ -181,7 +198,6 @@ def record(request: CaptureRequest, inputs: InputPlan, watches: Sequence[Any] = 
         survey.restore_grads()
         raise
     return Recorded(capture, inputs, outputs, watch, survey, detector.generators)
-
 
 
 def _generators(drawn: Sequence[torch.Generator], survey: Survey) -> list:
@@ -208,8 +224,11 @@ def _watch_returned(result: Any, given: list, outside: dict, watch: CallWatch) -
             watch.external.setdefault(storage_ptr(leaf), held[storage_ptr(leaf)])
 
 
-def _refuse(capture: Capture, detector: UnsafeOpDetector,
-            refuse_error: Callable[[BaseException], Optional[str]]) -> None:
+def _refuse(
+    capture: Capture,
+    detector: UnsafeOpDetector,
+    refuse_error: Callable[[BaseException], Optional[str]],
+) -> None:
     """``CaptureFailed`` if the guard or the backend stopped the capture, or ``refuse_error``
     names a reason for the function's exception."""
     finding = capture_failure(detector, capture)

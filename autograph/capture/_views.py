@@ -4,6 +4,7 @@ dtype and autograd link, of the caller's tensor (docs/design.md, "Outputs").
 >>> View.of_leaf(x.view(torch.int32), x).on(new_x).dtype
 torch.int32
 """
+
 from __future__ import annotations
 
 from typing import Dict, NamedTuple, Optional, Tuple
@@ -36,8 +37,10 @@ class View(NamedTuple):
 
     @classmethod
     def of_leaf(cls, leaf: Tensor, base: Tensor) -> "View":
-        offset = (leaf.storage_offset() * leaf.element_size()
-                  - base.storage_offset() * base.element_size())
+        offset = (
+            leaf.storage_offset() * leaf.element_size()
+            - base.storage_offset() * base.element_size()
+        )
         # The key holds each argument's requires_grad and the grad mode: an output that needs
         # no gradient never does in this key's calls.
         view = cls(leaf.size(), leaf.stride(), offset, leaf.dtype, not leaf.requires_grad)
@@ -45,7 +48,8 @@ class View(NamedTuple):
             raise UnplannableOutput(
                 f"it returns a {leaf.dtype} view of a {base.dtype} tensor that needs "
                 f"gradients, which the graph cannot rebuild with its autograd history; "
-                f"return a copy (.clone())")
+                f"return a copy (.clone())"
+            )
         return view
 
     def differentiable(self, base: Tensor) -> bool:
@@ -72,5 +76,8 @@ def _real_of(t: Tensor) -> Optional[torch.dtype]:
 
 def held_storages(outside: Optional[Dict[int, Tensor]]) -> Dict[int, Tensor]:
     """The tensors held outside a call (``OutputPlan``'s ``outside``) by their storage."""
-    return {storage_ptr(t): t for t in (outside or {}).values()
-            if t.layout is torch.strided and t.numel()}
+    return {
+        storage_ptr(t): t
+        for t in (outside or {}).values()
+        if t.layout is torch.strided and t.numel()
+    }

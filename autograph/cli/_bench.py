@@ -12,6 +12,7 @@ launching included. That cost is what CUDA graphs remove.
 (CUDA graphs emulated by ``autograph.testing``, hand-written graphs replayed eagerly): it
 checks that the benchmark code runs, its figures mean nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,6 +29,7 @@ SMOKE = os.environ.get("AUTOGRAPH_BENCH_SMOKE", "") == "1"
 
 
 # ---- where and how to time ----
+
 
 def device() -> str:
     """The device the benchmark runs on: ``cuda``, or ``cpu`` for a smoke run."""
@@ -48,8 +50,9 @@ def _counts(calls: int, repeats: int, warmup: int) -> Tuple[int, int, int]:
     return (min(calls, 2), 1, min(warmup, 1)) if SMOKE else (calls, repeats, warmup)
 
 
-def per_call_us(call: Callable[[], Any], calls: int = 200, repeats: int = 7,
-                warmup: int = 20) -> float:
+def per_call_us(
+    call: Callable[[], Any], calls: int = 200, repeats: int = 7, warmup: int = 20
+) -> float:
     """Median over ``repeats`` of the mean wall time of ``calls`` calls, in microseconds."""
     calls, repeats, warmup = _counts(calls, repeats, warmup)
     for _ in range(warmup):
@@ -65,9 +68,13 @@ def per_call_us(call: Callable[[], Any], calls: int = 200, repeats: int = 7,
     return statistics.median(samples)
 
 
-def interleaved_us(variants: Dict[str, Callable[[], Any]], calls: int = 200, rounds: int = 7,
-                   warmup: int = 20, contexts: Optional[Dict[str, Callable[[], Any]]] = None
-                   ) -> Dict[str, List[float]]:
+def interleaved_us(
+    variants: Dict[str, Callable[[], Any]],
+    calls: int = 200,
+    rounds: int = 7,
+    warmup: int = 20,
+    contexts: Optional[Dict[str, Callable[[], Any]]] = None,
+) -> Dict[str, List[float]]:
     """Each variant's mean microseconds per call in each of ``rounds`` rounds of ``calls``
     calls, the variants interleaved round by round (so that a drift of the machine hits all of
     them alike). ``contexts`` gives some variants a context manager factory, entered around
@@ -92,9 +99,13 @@ def interleaved_us(variants: Dict[str, Callable[[], Any]], calls: int = 200, rou
     return samples
 
 
-def side_by_side(variants: Dict[str, Callable[[], Any]], calls: int = 200, rounds: int = 7,
-                 warmup: int = 20,
-                 contexts: Optional[Dict[str, Callable[[], Any]]] = None) -> Dict[str, float]:
+def side_by_side(
+    variants: Dict[str, Callable[[], Any]],
+    calls: int = 200,
+    rounds: int = 7,
+    warmup: int = 20,
+    contexts: Optional[Dict[str, Callable[[], Any]]] = None,
+) -> Dict[str, float]:
     """Each variant's median over ``rounds`` interleaved rounds (``interleaved_us``)."""
     samples = interleaved_us(variants, calls, rounds, warmup, contexts)
     return {name: statistics.median(values) for name, values in samples.items()}
@@ -150,9 +161,11 @@ def dynamo_counters() -> Dict[str, Dict[str, int]]:
     return {group: dict(values) for group, values in counters.items()}
 
 
-def counter_changes(before: Dict[str, Dict[str, int]], after: Dict[str, Dict[str, int]],
-                    groups: Sequence[str] = ("frames", "stats", "recompiles", "unimplemented",
-                                             "graph_break")) -> Dict[str, int]:
+def counter_changes(
+    before: Dict[str, Dict[str, int]],
+    after: Dict[str, Dict[str, int]],
+    groups: Sequence[str] = ("frames", "stats", "recompiles", "unimplemented", "graph_break"),
+) -> Dict[str, int]:
     """The dynamo counters (of ``groups``) that changed between two ``dynamo_counters()``."""
     changes = {}
     for group in groups:
@@ -164,6 +177,7 @@ def counter_changes(before: Dict[str, Dict[str, int]], after: Dict[str, Dict[str
 
 
 # ---- hand-written graphs ----
+
 
 class _EagerGraph:
     """A smoke run's stand-in for ``torch.cuda.CUDAGraph`` on the CPU: replay re-runs the
@@ -181,8 +195,9 @@ class _EagerGraph:
                 o.copy_(n)
 
 
-def capture_graph(fn: Callable[[], Any], warmup: int = 3, pool: Any = None,
-                  stream: Any = None) -> Tuple[Any, Any]:
+def capture_graph(
+    fn: Callable[[], Any], warmup: int = 3, pool: Any = None, stream: Any = None
+) -> Tuple[Any, Any]:
     """(graph, static outputs) of ``fn`` after ``warmup`` calls on a side stream: what every
     serving engine writes. ``pool`` shares a memory pool between graphs."""
     if device() != "cuda":
@@ -210,8 +225,9 @@ def new_pool() -> Any:
     return torch.cuda.graph_pool_handle() if device() == "cuda" else None
 
 
-def hand_written(fn: Callable, example: Sequence[torch.Tensor], warmup: int = 3,
-                 batched: bool = False) -> Callable:
+def hand_written(
+    fn: Callable, example: Sequence[torch.Tensor], warmup: int = 3, batched: bool = False
+) -> Callable:
     """The loop every serving engine writes: static inputs, side-stream warmup, capture,
     then copy in, replay, clone out. ``batched`` copies all inputs with one
     ``torch._foreach_copy_`` instead of one ``copy_`` each."""
@@ -219,10 +235,12 @@ def hand_written(fn: Callable, example: Sequence[torch.Tensor], warmup: int = 3,
     graph, static_out = capture_graph(lambda: fn(*statics), warmup)
 
     if batched:
+
         def replay(*args: torch.Tensor) -> torch.Tensor:
             torch._foreach_copy_(statics, args)
             graph.replay()
             return static_out.clone()
+
         return replay
 
     def replay_each(*args: torch.Tensor) -> torch.Tensor:
@@ -234,8 +252,9 @@ def hand_written(fn: Callable, example: Sequence[torch.Tensor], warmup: int = 3,
     return replay_each
 
 
-def mlp(layers: int = 32, width: int = 512, dtype: torch.dtype = torch.bfloat16,
-        device: str = "cuda") -> torch.nn.Module:
+def mlp(
+    layers: int = 32, width: int = 512, dtype: torch.dtype = torch.bfloat16, device: str = "cuda"
+) -> torch.nn.Module:
     blocks: List[torch.nn.Module] = []
     for _ in range(layers):
         blocks += [torch.nn.Linear(width, width), torch.nn.GELU()]
@@ -243,6 +262,7 @@ def mlp(layers: int = 32, width: int = 512, dtype: torch.dtype = torch.bfloat16,
 
 
 # ---- rows ----
+
 
 def progress(message: str) -> None:
     """A progress line on stderr, flushed: a run cut off by a time limit still shows it."""
@@ -275,8 +295,10 @@ class Rows(list):
         row = dict(row)
         row.setdefault("kind", infer_kind(str(row.get("variant", ""))))
         super().append(row)
-        progress(f"{row.get('case', '')} | {row.get('variant', '')} | {figure(row)} | "
-                 f"{row.get('note', '')}")
+        progress(
+            f"{row.get('case', '')} | {row.get('variant', '')} | {figure(row)} | "
+            f"{row.get('note', '')}"
+        )
         self.save()
 
     def extend(self, rows: Any) -> None:  # type: ignore[override]
@@ -309,9 +331,16 @@ def figure(row: Dict[str, Any]) -> str:
     return text if unit == "us/call" else f"{text} {unit}"
 
 
-def add_row(rows: List[Dict[str, Any]], case: str, variant: str, value: Optional[float],
-            unit: str = "us/call", note: str = "", kind: Optional[str] = None,
-            **extra: Any) -> None:
+def add_row(
+    rows: List[Dict[str, Any]],
+    case: str,
+    variant: str,
+    value: Optional[float],
+    unit: str = "us/call",
+    note: str = "",
+    kind: Optional[str] = None,
+    **extra: Any,
+) -> None:
     row = {"case": case, "variant": variant, "value": value, "unit": unit, "note": note}
     if kind:
         row["kind"] = kind
@@ -324,9 +353,16 @@ def failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:100] if lines else ''}"
 
 
-def timed(rows: List[Dict[str, Any]], case: str, variant: str, call: Callable[[], Any],
-          note: str = "", kind: Optional[str] = None, timer: Optional[Callable] = None,
-          **extra: Any) -> Optional[float]:
+def timed(
+    rows: List[Dict[str, Any]],
+    case: str,
+    variant: str,
+    call: Callable[[], Any],
+    note: str = "",
+    kind: Optional[str] = None,
+    timer: Optional[Callable] = None,
+    **extra: Any,
+) -> Optional[float]:
     """Time ``call`` (``per_call_us`` unless ``timer`` is given) and add its row; a variant
     that fails gets an ``n/a`` row with the error, and None is returned."""
     try:
@@ -338,9 +374,13 @@ def timed(rows: List[Dict[str, Any]], case: str, variant: str, call: Callable[[]
     return us
 
 
-def with_ratio(rows: List[Dict[str, Any]], value: Optional[float],
-               reference: Optional[float], label: str = "hand-written",
-               row: Optional[Dict[str, Any]] = None) -> None:
+def with_ratio(
+    rows: List[Dict[str, Any]],
+    value: Optional[float],
+    reference: Optional[float],
+    label: str = "hand-written",
+    row: Optional[Dict[str, Any]] = None,
+) -> None:
     """Note on ``row`` (default: the last) ``value / reference`` as ``1.004x hand-written``."""
     if value and reference:
         ratio = value / reference
@@ -366,6 +406,7 @@ def format_rows(rows: List[Dict[str, Any]], columns: Sequence[str]) -> str:
 
 # ---- python -m autograph bench ----
 
+
 def compare(samples: Dict[str, List[float]], base: str, other: str) -> Tuple[float, bool]:
     """(median of ``other`` minus median of ``base``, whether the two differ beyond the noise:
     ``other`` was slower in every round, or faster in every round). Rounds are paired because
@@ -377,7 +418,14 @@ def compare(samples: Dict[str, List[float]], base: str, other: str) -> Tuple[flo
 
 def spread_table(samples: Dict[str, List[float]]) -> str:
     """A Markdown table: each variant's median and fastest-to-slowest round, us per call."""
-    return format_rows([{"variant": name, "median us/call": f"{statistics.median(values):.1f}",
-                         "rounds, fastest to slowest": f"{min(values):.1f} to {max(values):.1f}"}
-                        for name, values in samples.items()],
-                       ["variant", "median us/call", "rounds, fastest to slowest"])
+    return format_rows(
+        [
+            {
+                "variant": name,
+                "median us/call": f"{statistics.median(values):.1f}",
+                "rounds, fastest to slowest": f"{min(values):.1f} to {max(values):.1f}",
+            }
+            for name, values in samples.items()
+        ],
+        ["variant", "median us/call", "rounds, fastest to slowest"],
+    )

@@ -2,6 +2,7 @@
 
 >>> main(["doctor"])              # what ``python -m autograph doctor`` runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,27 @@ that says which differences this machine can measure.
 
 def main(argv: list | None = None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="python -m autograph", description=DESCRIPTION,
-                                     usage="python -m autograph [doctor | bench] [--version]",
-                                     formatter_class=raw)
-    parser.add_argument("--version", action="version", version=versions(),
-                        help="print the versions of autograph, torch and Python, and exit")
+    parser = argparse.ArgumentParser(
+        prog="python -m autograph",
+        description=DESCRIPTION,
+        usage="python -m autograph [doctor | bench] [--version]",
+        formatter_class=raw,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=versions(),
+        help="print the versions of autograph, torch and Python, and exit",
+    )
     commands = parser.add_subparsers(dest="command", metavar="command", help=argparse.SUPPRESS)
     for name, text in (("doctor", DOCTOR), ("bench", BENCH)):
-        commands.add_parser(name, prog=f"python -m autograph {name}", description=text,
-                            usage=f"python -m autograph {name}", formatter_class=raw)
+        commands.add_parser(
+            name,
+            prog=f"python -m autograph {name}",
+            description=text,
+            usage=f"python -m autograph {name}",
+            formatter_class=raw,
+        )
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

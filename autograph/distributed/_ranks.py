@@ -23,6 +23,7 @@ their order in each group (the n-th capture decision of a rank with the n-th of 
 which holds for SPMD code; a rank whose vote does not come within ``VOTE_TIMEOUT`` is taken to
 have failed, and this rank's vote is turned into a failure, so that it too decides eagerly.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -59,8 +60,10 @@ def _group_of(func: Any, args: tuple, kwargs: dict) -> Any:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     named = zip(func._schema.arguments, args)
-    for argument, value in [*named, *((a, kwargs[a.name]) for a in func._schema.arguments
-                                       if a.name in kwargs)]:
+    for argument, value in [
+        *named,
+        *((a, kwargs[a.name]) for a in func._schema.arguments if a.name in kwargs),
+    ]:
         if isinstance(value, ProcessGroup):
             return value
         if argument.name == "process_group" and hasattr(ProcessGroup, "unbox"):
@@ -77,8 +80,9 @@ class CollectiveWatch(CompiledCodeRunsUnder):
         super().__init__()
         self.groups: List[Any] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func.namespace in COLLECTIVE_NAMESPACES:
             group = _group_of(func, args, kwargs)
@@ -107,8 +111,12 @@ def _vote(group: Any, failed: bool) -> Optional[int]:
             store.wait([prefix + str(rank)], VOTE_TIMEOUT)
             vote = store.get(prefix + str(rank))
         except RuntimeError:  # no vote in time: that rank is not deciding this key now
-            logger.warning("autograph: rank %d did not vote on a capture within %s; this "
-                           "rank runs the key eagerly", rank, VOTE_TIMEOUT)
+            logger.warning(
+                "autograph: rank %d did not vote on a capture within %s; this "
+                "rank runs the key eagerly",
+                rank,
+                VOTE_TIMEOUT,
+            )
             store.set(prefix + str(me), _FAILED)
             return rank
         if vote != _OK:
@@ -124,8 +132,10 @@ def agreed_failure(groups: List[Any], failure: Optional[str]) -> Optional[str]:
     for group in groups:
         other = _vote(group, failure is not None)
         if failure is None and other is not None:
-            failure = (f"rank {other} could not graph it, and every rank of its process "
-                       f"group must decide alike (a graph on some ranks and eager calls on "
-                       f"others make the eager ranks the slow ones, and under strict=True "
-                       f"would leave ranks waiting); see that rank's warning for the cause")
+            failure = (
+                f"rank {other} could not graph it, and every rank of its process "
+                f"group must decide alike (a graph on some ranks and eager calls on "
+                f"others make the eager ranks the slow ones, and under strict=True "
+                f"would leave ranks waiting); see that rank's warning for the cause"
+            )
     return failure

@@ -11,6 +11,7 @@ in the cache (``_key_cache``, one per instance for methods) or makes it, and tha
 it: a replay, or a step of its life (``_key_life``). One re-entrant lock per cache is held
 from the key lookup to the copy of the outputs (docs/design.md, "A call's life").
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,15 +25,21 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .. import _config, _stats
-from ..backends import _devices
-from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key
 from .._config import Options
-from ._key_cache import KeyCache
-from ._key_life import EAGER, MISS, Call, Function, KeyLife
-from ..capture._keys import (call_key, describe_parts, execution_state, join_parts,
-                             unkeyable_reason, unsupported_tensor)
 from .._scope import nested_calls, thread
 from .._warn import warn_user
+from ..backends import _devices
+from ..buckets._buckets import BucketRule, Padding, bucket_key, family_key
+from ..capture._keys import (
+    call_key,
+    describe_parts,
+    execution_state,
+    join_parts,
+    unkeyable_reason,
+    unsupported_tensor,
+)
+from ._key_cache import KeyCache
+from ._key_life import EAGER, MISS, Call, Function, KeyLife
 
 Tensor = torch.Tensor
 
@@ -47,15 +54,23 @@ def _needs_gradients(tensors: Sequence[Tensor], instance: Any) -> bool:
     if any(t.requires_grad for t in tensors):
         return True
     return isinstance(instance, torch.nn.Module) and any(
-        p.requires_grad for p in instance.parameters())
+        p.requires_grad for p in instance.parameters()
+    )
 
 
 class Engine:
     """The caches and options of one graphed function, method, module or region module."""
 
-    def __init__(self, fn: Callable, explicit: Dict[str, Any], name: str, *,
-                 signature_of: Optional[Callable] = None, per_instance: bool = False,
-                 instance_label: str = "self"):
+    def __init__(
+        self,
+        fn: Callable,
+        explicit: Dict[str, Any],
+        name: str,
+        *,
+        signature_of: Optional[Callable] = None,
+        per_instance: bool = False,
+        instance_label: str = "self",
+    ):
         self.function = Function(name, fn, instance_label)
         self.explicit = explicit  # the options the user set, which win over a region's
         self.options = Options(**explicit)
@@ -66,12 +81,14 @@ class Engine:
             params = list(inspect.signature(signature_of or fn).parameters.values())
         except (TypeError, ValueError):
             params = []
-        self.names = [p.name for p in params
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.names = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
         self.method_names = self.names[1:]  # a bound method's, without self or cls
         self.cache = KeyCache(name)
-        self.instance_caches: "weakref.WeakKeyDictionary[Any, KeyCache]" = \
+        self.instance_caches: "weakref.WeakKeyDictionary[Any, KeyCache]" = (
             weakref.WeakKeyDictionary()
+        )
         self.instance_numbers = itertools.count(1)
         self.lock = threading.Lock()
         # Calls that ran eagerly before being keyed (no CUDA, CPU tensors): a count per
@@ -126,7 +143,8 @@ class Engine:
         else:
             last = None
             key, tensors, identities, addressed, plain = call_key(
-                args, kwargs, state, names, options.static_argnames, options.static_argnums)
+                args, kwargs, state, names, options.static_argnames, options.static_argnums
+            )
             if options is not self.options and options != self.options:
                 key = (key, options)
         with cache.lock:
@@ -135,17 +153,28 @@ class Engine:
             padding = reason = None
             if options.buckets is not None:
                 key, padding, reason = cache.routes.get(key) or self._route(
-                    cache, key, options, names, args, kwargs, tensors, addressed, state)
-            life = last.life if last is not None and cache.last is last \
-                else cache.entries.get(key)
+                    cache, key, options, names, args, kwargs, tensors, addressed, state
+                )
+            life = last.life if last is not None and cache.last is last else cache.entries.get(key)
             if life is not None:
                 outputs = life.serve(tensors, padding, region)
                 if outputs is not MISS:
                     if last is None and plain and options.buckets is None:
                         cache.remember(key, life, tensors, state, options)
                     return outputs
-            c = Call(call, instance, args, kwargs, names, tensors, addressed, padding, region,
-                     cache, state)
+            c = Call(
+                call,
+                instance,
+                args,
+                kwargs,
+                names,
+                tensors,
+                addressed,
+                padding,
+                region,
+                cache,
+                state,
+            )
             if life is None:
                 life = self._new_life(cache, key, c, identities, options, reason)
                 life.serve(tensors, padding, region)  # counts it; a new key cannot replay
@@ -155,44 +184,81 @@ class Engine:
         with self.lock:
             return self.eager_tally.setdefault(reason, itertools.count())
 
-    def _route(self, cache: KeyCache, key: Any, options: Options, names: List[str],
-               args: tuple, kwargs: dict, tensors: List[Tensor], addressed: List[int],
-               state: tuple) -> Tuple[Any, Optional[Padding], Optional[str]]:
+    def _route(
+        self,
+        cache: KeyCache,
+        key: Any,
+        options: Options,
+        names: List[str],
+        args: tuple,
+        kwargs: dict,
+        tensors: List[Tensor],
+        addressed: List[int],
+        state: tuple,
+    ) -> Tuple[Any, Optional[Padding], Optional[str]]:
         """Which key a call of a bucketed function goes to, and how it is padded."""
         rule = BucketRule(options.buckets, options.bucket_args)
         padding, reason = rule.padding(names, args, kwargs, tensors, addressed)
         if padding is None:
             route: Tuple[Any, Optional[Padding], Optional[str]] = (key, None, reason)
         else:
-            padded = bucket_key(args, kwargs, state, names, options.static_argnames,
-                                options.static_argnums, padding)
-            family, stateful = family_key(args, kwargs, state, names, options.static_argnames,
-                                          options.static_argnums, padding)
-            padding = dataclasses.replace(padding, stateful=stateful,
-                                          shapes=cache.batch_shapes_of(family, options))
-            route = (padded if options is self.options or options == self.options
-                     else (padded, options), padding, None)
+            padded = bucket_key(
+                args, kwargs, state, names, options.static_argnames, options.static_argnums, padding
+            )
+            family, stateful = family_key(
+                args, kwargs, state, names, options.static_argnames, options.static_argnums, padding
+            )
+            padding = dataclasses.replace(
+                padding, stateful=stateful, shapes=cache.batch_shapes_of(family, options)
+            )
+            route = (
+                padded if options is self.options or options == self.options else (padded, options),
+                padding,
+                None,
+            )
         if len(cache.routes) >= 4 * cache.max_keys:
             cache.routes.clear()
             cache.batch_shapes.clear()
         cache.routes[key] = route
         return route
 
-    def _new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
-                  options: Options, reason: Optional[str], ahead: bool = False) -> KeyLife:
-        resized = {} if c.padding is None else {
-            id(t): c.padding.padded_shape(t, i) for i, t in enumerate(c.tensors)}
+    def _new_life(
+        self,
+        cache: KeyCache,
+        key: Any,
+        c: Call,
+        identities: list,
+        options: Options,
+        reason: Optional[str],
+        ahead: bool = False,
+    ) -> KeyLife:
+        resized = (
+            {}
+            if c.padding is None
+            else {id(t): c.padding.padded_shape(t, i) for i, t in enumerate(c.tensors)}
+        )
         parts = describe_parts(c.names, c.args, c.kwargs, resized)
         backend, device, device_reason, loud = _devices.choose_backend(c.tensors)
-        life = cache.add(key, KeyLife(self.function, cache.name, join_parts(parts, c.state),
-                                      parts, options, backend, device,
-                                      None if c.padding is None else c.padding.bucket),
-                         identities)
+        life = cache.add(
+            key,
+            KeyLife(
+                self.function,
+                cache.name,
+                join_parts(parts, c.state),
+                parts,
+                options,
+                backend,
+                device,
+                None if c.padding is None else c.padding.bucket,
+            ),
+            identities,
+        )
         if reason is not None:  # above the largest bucket
             first = "buckets" not in cache.said
             cache.said.add("buckets")
-            life.fall_back(reason, warn=first and device_reason is None,
-                           strict=device_reason is None)
+            life.fall_back(
+                reason, warn=first and device_reason is None, strict=device_reason is None
+            )
             return life
         reason = device_reason
         if reason is None:
@@ -215,21 +281,24 @@ class Engine:
         cache.said.add("churn")
         warn_user(churn.warning(life.label))
 
-    def new_life(self, cache: KeyCache, key: Any, c: Call, identities: list,
-                 options: Options) -> KeyLife:
+    def new_life(
+        self, cache: KeyCache, key: Any, c: Call, identities: list, options: Options
+    ) -> KeyLife:
         """A new key for ``capture()`` (``_ahead``)."""
         return self._new_life(cache, key, c, identities, options, None, ahead=True)
 
-    def call_options(self, instance: Any, region: Any
-                     ) -> Tuple[Options, KeyCache, List[str], tuple]:
+    def call_options(
+        self, instance: Any, region: Any
+    ) -> Tuple[Options, KeyCache, List[str], tuple]:
         """The options, cache, parameter names and execution state of a call made now, in
         ``region``."""
         options = self.options if region is None else self.options_in(region)
         bound = self.per_instance and instance is not None
         cache = self.cache_for(instance) if bound else self.cache
         names = self.method_names if bound else self.names
-        state = execution_state(instance.training if isinstance(instance, torch.nn.Module)
-                                else None)
+        state = execution_state(
+            instance.training if isinstance(instance, torch.nn.Module) else None
+        )
         return options, cache, names, state
 
     # ---- caches and options ----
@@ -269,18 +338,29 @@ class Engine:
     def stats(self, islands: bool = True) -> List[_stats.KeyStats]:
         """A row per key (its island's keys under it, with ``islands``), and a row per reason
         for the calls that ran eagerly before being keyed."""
-        return [row for cache in self.caches() for row in cache.stats(islands)] + \
-            self.tally_rows()
+        return [row for cache in self.caches() for row in cache.stats(islands)] + self.tally_rows()
 
     def tally_rows(self) -> List[_stats.KeyStats]:
         """A row per reason for the calls that ran eagerly before being keyed."""
         with self.lock:
-            tally = [(reason, int(repr(count)[6:-1]))  # "count(7)": 7 calls so far
-                     for reason, count in self.eager_tally.items()]
-        return [_stats.KeyStats(
-            function=self.name, key="every call", state=EAGER, calls=count, eager_calls=count,
-            replays=0, capture_seconds=None, graph_bytes=0, fallback_reason=reason)
-            for reason, count in tally]
+            tally = [
+                (reason, int(repr(count)[6:-1]))  # "count(7)": 7 calls so far
+                for reason, count in self.eager_tally.items()
+            ]
+        return [
+            _stats.KeyStats(
+                function=self.name,
+                key="every call",
+                state=EAGER,
+                calls=count,
+                eager_calls=count,
+                replays=0,
+                capture_seconds=None,
+                graph_bytes=0,
+                fallback_reason=reason,
+            )
+            for reason, count in tally
+        ]
 
     def reset(self) -> None:
         free(self.release())

@@ -10,20 +10,21 @@ forgotten (keys with graphs are bounded by ``max_graphs``). Objects a key refers
 identity are held weakly where Python allows: when one dies, its keys are forgotten, so a
 new object that reuses its ``id`` can never meet a graph made for the old one.
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
 from typing import Any, Dict, List, Set, Tuple
 
+from .._config import Options
+from .._stats import KeyStats
+from ..backends._pool import Pools
 from ..buckets._batch_dims import BatchShapes
 from ..policy._churn import Churn
-from .._config import Options
 from ..policy._islands import island_rows
 from ._key_life import KeyLife
 from ._last_key import LastKey
-from ..backends._pool import Pools
-from .._stats import KeyStats
 
 
 def _object_died(cache_ref: "weakref.ref[KeyCache]", object_id: int, keys: Set[Any]) -> None:
@@ -64,8 +65,10 @@ class KeyCache:
             if watcher is None:
                 try:
                     keys: Set[Any] = set()
-                    watcher = self._watchers[id(obj)] = (weakref.finalize(
-                        obj, _object_died, weakref.ref(self), id(obj), keys), keys)
+                    watcher = self._watchers[id(obj)] = (
+                        weakref.finalize(obj, _object_died, weakref.ref(self), id(obj), keys),
+                        keys,
+                    )
                 except TypeError:
                     entry.strong_identities.append(obj)
                     continue
@@ -76,8 +79,9 @@ class KeyCache:
             self._evict()
         return entry
 
-    def remember(self, key: Any, life: KeyLife, tensors: List[Any], state: tuple,
-                 options: Any) -> None:
+    def remember(
+        self, key: Any, life: KeyLife, tensors: List[Any], state: tuple, options: Any
+    ) -> None:
         """After a replay of a key of plain tensor arguments found by its Python key: the
         next call tries it first."""
         last = self._last_keys.get(key, self)
@@ -121,7 +125,9 @@ class KeyCache:
         self.said.add("max_graphs")
         life.fall_back(
             f"{life.function.name} already has max_graphs={life.options.max_graphs} graphs; "
-            f"raise max_graphs, or pad inputs to fewer shapes (buckets=)", warn=first)
+            f"raise max_graphs, or pad inputs to fewer shapes (buckets=)",
+            warn=first,
+        )
         return True
 
     def _evict(self) -> None:
@@ -147,9 +153,11 @@ class KeyCache:
         with self.lock:
             self.forget_dead()
             passed = self.churn.stats()
-            return [row for entry in self.entries.values()
-                    for row in [entry.stats(), *(island_rows(entry) if islands else ())]] + (
-                [] if passed is None else [passed])
+            return [
+                row
+                for entry in self.entries.values()
+                for row in [entry.stats(), *(island_rows(entry) if islands else ())]
+            ] + ([] if passed is None else [passed])
 
     def release_entries(self, lives: Set[int]) -> Set[int]:
         """Drop the keys whose lives have these ids; return their devices."""

@@ -12,6 +12,7 @@ GPU work exactly once, whichever step it hits. The key's counters live here; the
 is made in is told of each event (``Region.note``); verify mode and profiler ranges wrap a
 replay (``_observed_replay``); ranks vote on its capture (``_ranks``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,27 +23,33 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..buckets._bucket_runs import (capture_call, capture_replay, first_padded_replay, run_call,
-                           slices_unknown, state_written)
 from .._config import Options, logger
 from .._errors import CaptureError
-from ..capture._graph import Graph
-from ..watch._guard import LibraryUse
-from ..policy._islands import eager_scope, in_an_island
-from ..capture._outputs import flatten_output
-from ..policy._memory_budget import within_budget
-from ..policy._payoff import measurement, timed_call
 from .._profile import profile_range, torch_profiler
-from ..watch._python_state import PythonState, per_call_reason
-from ..watch._values_read import ValuesRead
-from ..distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from ..watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
-from ..capture._recording import CaptureFailed, CaptureRequest
 from .._scope import nested_calls
 from .._stats import KeyStats
-from ..training._training import TrainingGraph
-from ..policy._verify import checked_replay
 from .._warn import warn_user
+from ..buckets._bucket_runs import (
+    capture_call,
+    capture_replay,
+    first_padded_replay,
+    run_call,
+    slices_unknown,
+    state_written,
+)
+from ..capture._graph import Graph
+from ..capture._outputs import flatten_output
+from ..capture._recording import CaptureFailed, CaptureRequest
+from ..distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
+from ..policy._islands import eager_scope, in_an_island
+from ..policy._memory_budget import within_budget
+from ..policy._payoff import measurement, timed_call
+from ..policy._verify import checked_replay
+from ..training._training import TrainingGraph
+from ..watch._guard import LibraryUse
+from ..watch._python_state import PythonState, per_call_reason
+from ..watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
+from ..watch._values_read import ValuesRead
 
 Tensor = torch.Tensor
 
@@ -59,8 +66,12 @@ _clock = [0]
 def _aliases_what_it_uses(tensors: List[Tensor], written: List[int], by_address: set) -> bool:
     """Whether an argument it writes shares memory with another argument, or an argument
     shares memory with state it uses by address: a graph's static copy would not see it."""
-    return bool(written) and shares_written_memory(tensors, written) or \
-        bool(by_address) and shares_state(tensors, by_address)
+    return (
+        bool(written)
+        and shares_written_memory(tensors, written)
+        or bool(by_address)
+        and shares_state(tensors, by_address)
+    )
 
 
 def _alive(storages: Dict[int, Any]) -> set:
@@ -85,12 +96,34 @@ class Function:
 class Call:
     """One call on its way: what it calls, with what, and where."""
 
-    __slots__ = ("call", "instance", "args", "kwargs", "names", "tensors", "addressed",
-                 "padding", "region", "cache", "state")
+    __slots__ = (
+        "call",
+        "instance",
+        "args",
+        "kwargs",
+        "names",
+        "tensors",
+        "addressed",
+        "padding",
+        "region",
+        "cache",
+        "state",
+    )
 
-    def __init__(self, call: Callable, instance: Any, args: tuple, kwargs: dict,
-                 names: List[str], tensors: List[Tensor], addressed: List[int],
-                 padding: Any, region: Any, cache: Any, state: tuple):
+    def __init__(
+        self,
+        call: Callable,
+        instance: Any,
+        args: tuple,
+        kwargs: dict,
+        names: List[str],
+        tensors: List[Tensor],
+        addressed: List[int],
+        padding: Any,
+        region: Any,
+        cache: Any,
+        state: tuple,
+    ):
         self.call, self.instance = call, instance
         self.args, self.kwargs, self.names = args, kwargs, names
         self.tensors, self.addressed, self.padding = tensors, addressed, padding
@@ -104,36 +137,87 @@ class Call:
 
 def strict_words(call: str, reason: str) -> str:
     """``CaptureError``'s message under ``strict``: the call raises, it does not run eagerly."""
-    return f"{call} cannot be graphed, and strict mode raises instead of running it eagerly: " \
-        f"{reason}"
+    return (
+        f"{call} cannot be graphed, and strict mode raises instead of running it eagerly: {reason}"
+    )
 
 
 def _key_stats(life: "KeyLife") -> KeyStats:
     """A snapshot of ``life``'s counters."""
     graph = life.graph
     return KeyStats(
-        function=life.owner, key=life.label, state=WARMUP if life.phase == CAPTURE
-        else life.phase, calls=life.calls, eager_calls=life.eager_calls, replays=life.replays,
+        function=life.owner,
+        key=life.label,
+        state=WARMUP if life.phase == CAPTURE else life.phase,
+        calls=life.calls,
+        eager_calls=life.eager_calls,
+        replays=life.replays,
         capture_seconds=graph.capture_seconds if graph else None,
         graph_bytes=graph.memory_bytes if graph else 0,
-        fallback_reason=life.reason, bucket=life.bucket, sizes=dict(life.sizes) or None,
-        verified=life.verified, gain=life.gain, evictions=life.evictions,
-        emulated=getattr(life.backend, "device_type", None) == "cpu")
+        fallback_reason=life.reason,
+        bucket=life.bucket,
+        sizes=dict(life.sizes) or None,
+        verified=life.verified,
+        gain=life.gain,
+        evictions=life.evictions,
+        emulated=getattr(life.backend, "device_type", None) == "cpu",
+    )
 
 
 class KeyLife:
     """One key of one cache: its phase, counters and graph, and every step of its life."""
 
-    __slots__ = ("function", "owner", "label", "parts", "options", "backend", "device",
-                 "phase", "calls", "eager_calls", "replays", "warmups", "recaptures", "reason",
-                 "strict_error", "graph", "written", "by_address", "uses_cudnn", "generators",
-                 "warmup_thread", "strong_identities", "identity_ids", "bucket", "sizes",
-                 "trains", "payoff", "gain", "checks_left", "verified", "padded_runs",
-                 "state_written", "groups", "island", "last_replay", "evictions",
-                 "__weakref__")
+    __slots__ = (
+        "function",
+        "owner",
+        "label",
+        "parts",
+        "options",
+        "backend",
+        "device",
+        "phase",
+        "calls",
+        "eager_calls",
+        "replays",
+        "warmups",
+        "recaptures",
+        "reason",
+        "strict_error",
+        "graph",
+        "written",
+        "by_address",
+        "uses_cudnn",
+        "generators",
+        "warmup_thread",
+        "strong_identities",
+        "identity_ids",
+        "bucket",
+        "sizes",
+        "trains",
+        "payoff",
+        "gain",
+        "checks_left",
+        "verified",
+        "padded_runs",
+        "state_written",
+        "groups",
+        "island",
+        "last_replay",
+        "evictions",
+        "__weakref__",
+    )
 
-    def __init__(self, function: Function, owner: str, label: str, parts: List[str],
-                 options: Options, backend: Any, device: int, bucket: Optional[int] = None):
+    def __init__(
+        self,
+        function: Function,
+        owner: str,
+        label: str,
+        parts: List[str],
+        options: Options,
+        backend: Any,
+        device: int,
+        bucket: Optional[int] = None,
+    ):
         self.function = function
         self.owner = owner  # the cache's name: "step", or "Net.forward#2" for an instance
         self.label, self.parts = label, parts  # parts: to say what differs between two keys
@@ -172,10 +256,16 @@ class KeyLife:
         if padding is not None:
             self.sizes[padding.rows] = self.sizes.get(padding.rows, 0) + 1
         graph = self.graph
-        if graph is None or self.checks_left or self.payoff \
-                or torch_profiler._is_profiler_enabled or not self._may_replay(graph, tensors) \
-                or padding is not None and padding.rows < padding.bucket \
-                and padding.rows not in graph.rows_checked:
+        if (
+            graph is None
+            or self.checks_left
+            or self.payoff
+            or torch_profiler._is_profiler_enabled
+            or not self._may_replay(graph, tensors)
+            or padding is not None
+            and padding.rows < padding.bucket
+            and padding.rows not in graph.rows_checked
+        ):
             return MISS
         self.replays += 1
         _clock[0] += 1
@@ -187,9 +277,14 @@ class KeyLife:
     def _may_replay(self, graph: Graph, tensors: List[Tensor]) -> bool:
         """Nothing read by address freed or aliased, no written argument aliased, the Python
         values its capture read as they were (``_values_read``; else the call runs eagerly)."""
-        return graph.may_replay() and not (graph.aliasing and _aliases_what_it_uses(
-            tensors, graph.mutated, graph.by_address)) and not (self.trains and graph.busy()) \
+        return (
+            graph.may_replay()
+            and not (
+                graph.aliasing and _aliases_what_it_uses(tensors, graph.mutated, graph.by_address)
+            )
+            and not (self.trains and graph.busy())
             and (graph.values is None or graph.values.same())
+        )
 
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the
@@ -233,16 +328,22 @@ class KeyLife:
     def run_eagerly(self, c: Call, watched: bool = False) -> Any:
         self.eager_calls += 1
         c.note(self, "eager_calls")
-        streams = contextlib.nullcontext() if self.backend is None else \
-            self.backend.eager_stream(self.device)
+        streams = (
+            contextlib.nullcontext()
+            if self.backend is None
+            else self.backend.eager_stream(self.device)
+        )
         with eager_scope(self), profile_range("eager", self.function.name, self.label), streams:
             return run_call(self, c, watched)
 
     def _warmup(self, c: Call) -> Any:
         self.eager_calls += 1
         c.note(self, "eager_calls")
-        with nested_calls(), profile_range("warmup", self.function.name, self.label), \
-                self.backend.eager_stream(self.device):
+        with (
+            nested_calls(),
+            profile_range("warmup", self.function.name, self.label),
+            self.backend.eager_stream(self.device),
+        ):
             if self.warmups + 1 < self.options.warmup:
                 outputs = run_call(self, c)
                 self.warmups += 1
@@ -268,11 +369,13 @@ class KeyLife:
         self.written = watch.written_arguments(c.tensors)
         # Weakly: a storage freed before the capture is no state, and the allocator may hand
         # its address to a later argument (an argument there is no alias of anything).
-        self.by_address = {ptr: weakref.ref(t.untyped_storage())
-                           for ptr, t in watch.external.items()}
+        self.by_address = {
+            ptr: weakref.ref(t.untyped_storage()) for ptr, t in watch.external.items()
+        }
         self.state_written = [] if c.padding is None else state_written(c, watch)
-        if torch.is_grad_enabled() and any(isinstance(o, Tensor) and o.requires_grad
-                                           for o in leaves):
+        if torch.is_grad_enabled() and any(
+            isinstance(o, Tensor) and o.requires_grad for o in leaves
+        ):
             self.trains = True  # a closed-over parameter needs gradients
         return outputs
 
@@ -305,10 +408,13 @@ class KeyLife:
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
             graph.release()
-            self.fall_back(f"it replaces {graph.invalid_reason} on every call (a cache that grows "
-                           f"with torch.cat does), and a graph would keep reading the old tensor. "
-                           f"Use a fixed-size cache updated in place (transformers' StaticCache), "
-                           f"or pass the tensor as an argument", raise_now=False)
+            self.fall_back(
+                f"it replaces {graph.invalid_reason} on every call (a cache that grows "
+                f"with torch.cat does), and a graph would keep reading the old tensor. "
+                f"Use a fixed-size cache updated in place (transformers' StaticCache), "
+                f"or pass the tensor as an argument",
+                raise_now=False,
+            )
             return outputs
         self.adopt(graph, c)
         c.note(self, "captures")
@@ -348,8 +454,9 @@ class KeyLife:
 
     # ---- eager for good ----
 
-    def fall_back(self, reason: str, *, warn: bool = True, strict: bool = True,
-                  raise_now: bool = True) -> None:
+    def fall_back(
+        self, reason: str, *, warn: bool = True, strict: bool = True, raise_now: bool = True
+    ) -> None:
         """Run this key eagerly from now on, said once (``strict``: raise ``CaptureError``)."""
         self.phase, self.reason = EAGER, reason
         if self.graph is not None:
@@ -378,8 +485,12 @@ def _invalidate(life: KeyLife) -> None:
     if life.recaptures > MAX_RECAPTURES:
         life.fall_back(graph.changed_again(MAX_RECAPTURES))
         return
-    logger.info("%s(%s): %s was freed or replaced since capture; capturing again",
-                life.function.name, life.label, graph.invalid_reason)
+    logger.info(
+        "%s(%s): %s was freed or replaced since capture; capturing again",
+        life.function.name,
+        life.label,
+        graph.invalid_reason,
+    )
     life.phase = CAPTURE
 
 
@@ -388,17 +499,34 @@ def _record(life: KeyLife, c: Call) -> Graph:
     cannot be."""
     label = f"{life.function.name}({life.label})"
     pool = (c.region.pools if c.region is not None else c.cache.pools).get(
-        life.backend, life.device)
+        life.backend, life.device
+    )
     # The warmup's cuDNN ops made this thread's handle; another thread needs one made
     # before its capture, and making it (a small convolution) costs a fraction of a second.
     cudnn = life.uses_cudnn and life.warmup_thread != threading.get_ident()
     # The private random generators the warmup drew from: CUDA registers them with the graph.
-    request = CaptureRequest(capture_call(c), c.args, c.kwargs, c.tensors, life.backend,
-                             life.device, pool, life.options.outputs, label,
-                             life.function.roots(c), cudnn, c.padding, c.addressed,
-                             life.generators)
+    request = CaptureRequest(
+        capture_call(c),
+        c.args,
+        c.kwargs,
+        c.tensors,
+        life.backend,
+        life.device,
+        pool,
+        life.options.outputs,
+        label,
+        life.function.roots(c),
+        cudnn,
+        c.padding,
+        c.addressed,
+        life.generators,
+    )
     with nested_calls(), profile_range("capture", life.function.name, life.label):
         graph = (TrainingGraph if life.trains else Graph).record(request)
-    logger.info("captured %s in %.1f ms (%.1f MiB)", label, graph.capture_seconds * 1e3,
-                graph.memory_bytes / 2**20)
+    logger.info(
+        "captured %s in %.1f ms (%.1f MiB)",
+        label,
+        graph.capture_seconds * 1e3,
+        graph.memory_bytes / 2**20,
+    )
     return graph

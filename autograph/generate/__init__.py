@@ -10,6 +10,7 @@ tokens (``_loop``). transformers is imported when a call needs it, never by ``im
 
 May import: the front door (``api``) and everything below it (docs/design.md, "Layers").
 """
+
 from ._generate import generate
 
 __all__ = ["generate"]

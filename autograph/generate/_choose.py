@@ -16,6 +16,7 @@ read (docs/design.md, "Decoding"):
   repetition mask; a row whose token is an eos id is finished; ``alive`` says whether any row
   is not, for the host's check every few tokens.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -16,6 +16,7 @@ cannot follow, so the window is applied by the model's mask over a full-length l
 is the prompt plus ``max_new_tokens`` rounded up to a power of two (at least 64), so prompts of
 other lengths reuse it and its graph; a call that needs more makes a larger one.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -47,8 +48,14 @@ class ModelCall:
         self.keeps_logits = "logits_to_keep" in parameters
         self.takes_positions = "position_ids" in parameters
 
-    def __call__(self, model: Any, cache: Any, ids: torch.Tensor, mask: Optional[torch.Tensor],
-                 positions: Optional[torch.Tensor]) -> torch.Tensor:
+    def __call__(
+        self,
+        model: Any,
+        cache: Any,
+        ids: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        positions: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         kwargs: Dict[str, Any] = {self.cache_name: cache, "use_cache": True, "return_dict": True}
         if positions is not None and self.takes_positions:
             kwargs["position_ids"] = positions
@@ -67,6 +74,7 @@ def decode_step_of(forward: ModelCall, state: DecodeState, name: str) -> Callabl
     not one is given (transformers never skips it for a compileable cache at one query), so an
     all-ones mask computes what none does, and models that would size a mask of their own
     from the cache's length (OPT) are spared a host read."""
+
     def decode_step(model: Any, cache: Any, token: torch.Tensor, recipe: Recipe) -> None:
         state.position.add_(1)
         logits = forward(model, cache, token, state.mask, state.position)
@@ -81,8 +89,16 @@ class Decoder:
     model is held weakly, and so is a cache of the caller's: they go when the caller drops
     them (a decoder is found through them, in weak dictionaries)."""
 
-    def __init__(self, model: Any, cache: Any, own: bool, rows: int, length: int,
-                 compile: Any, key: Tuple[Any, ...] = ()):
+    def __init__(
+        self,
+        model: Any,
+        cache: Any,
+        own: bool,
+        rows: int,
+        length: int,
+        compile: Any,
+        key: Tuple[Any, ...] = (),
+    ):
         self.key = key
         self.length = length
         self.model = weakref.ref(model)
@@ -92,9 +108,10 @@ class Decoder:
         device = next(model.parameters()).device
         self.state = DecodeState(rows, length, _vocabulary(model), device)
         self.flags = FinishedFlags(self.state.alive)
-        step = decode_step_of(self.forward, self.state,
-                              f"generate_decode_step[{type(model).__name__}, {rows} rows]")
-        if compile is not None:   # torch.compile's options, as sorted (name, value) pairs
+        step = decode_step_of(
+            self.forward, self.state, f"generate_decode_step[{type(model).__name__}, {rows} rows]"
+        )
+        if compile is not None:  # torch.compile's options, as sorted (name, value) pairs
             step = torch.compile(step, **dict(compile))
         # buckets=None: a region's buckets would pad the state's own token (its rows are the
         # decoder's already); its other options apply as to any graphed function.
@@ -117,9 +134,14 @@ class Decoder:
         state.start(plan)
         spread = state.spread
         positions = None if plan.positions is None else spread(plan.positions)
-        with nested_calls():   # an enclosing region's: this call is autograph.generate's own
-            logits = self.forward(self.model(), self.cache, spread(plan.prompt),
-                                  spread(plan.mask) if plan.padded else None, positions)
+        with nested_calls():  # an enclosing region's: this call is autograph.generate's own
+            logits = self.forward(
+                self.model(),
+                self.cache,
+                spread(plan.prompt),
+                spread(plan.mask) if plan.padded else None,
+                positions,
+            )
         choose(state, logits, plan.recipe)
 
     def result(self, plan: Any) -> torch.Tensor:
@@ -147,8 +169,7 @@ def decoder_for(model: Any, plan: Any, rows: int, compile: Any) -> Union[Decoder
     if plan.cache is not None:
         return _given_decoder(model, plan.cache, rows, needed, compile)
     device = next(model.parameters()).device
-    key = (rows, device, next(model.parameters()).dtype, torch.is_inference_mode_enabled(),
-           compile)
+    key = (rows, device, next(model.parameters()).dtype, torch.is_inference_mode_enabled(), compile)
     kept = _own.setdefault(model, OrderedDict())
     decoder = kept.get(key)
     if decoder is not None and decoder.length >= needed:
@@ -165,12 +186,15 @@ def decoder_for(model: Any, plan: Any, rows: int, compile: Any) -> Union[Decoder
     return kept[key]
 
 
-def _given_decoder(model: Any, cache: Any, rows: int, needed: int,
-                   compile: Any) -> Union[Decoder, str]:
+def _given_decoder(
+    model: Any, cache: Any, rows: int, needed: int, compile: Any
+) -> Union[Decoder, str]:
     held = min(layer.max_cache_len for layer in cache.layers)
     if held < needed - 1:
-        return (f"a StaticCache of {held} positions, fewer than the prompt and max_new_tokens "
-                f"need ({needed - 1})")
+        return (
+            f"a StaticCache of {held} positions, fewer than the prompt and max_new_tokens "
+            f"need ({needed - 1})"
+        )
     decoder = _given.get(cache)
     key: Tuple[Any, ...] = (rows, torch.is_inference_mode_enabled(), compile)
     if decoder is None or decoder.model() is not model or decoder.key != key:

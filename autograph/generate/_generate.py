@@ -2,6 +2,7 @@
 
 See ``generate``'s docstring; docs/design.md, "Decoding" says how it is built.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -14,11 +15,16 @@ from ._loop import CHECK_EVERY, decode
 from ._plan import plan_of
 
 
-def generate(model: Any, input_ids: Optional[torch.Tensor] = None,
-             attention_mask: Optional[torch.Tensor] = None, *,
-             buckets: Optional[Sequence[int]] = None,
-             compile: Union[bool, Dict[str, Any]] = False,
-             check_every: int = CHECK_EVERY, **generation_kwargs: Any) -> Any:
+def generate(
+    model: Any,
+    input_ids: Optional[torch.Tensor] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    buckets: Optional[Sequence[int]] = None,
+    compile: Union[bool, Dict[str, Any]] = False,
+    check_every: int = CHECK_EVERY,
+    **generation_kwargs: Any,
+) -> Any:
     """``model.generate(input_ids, attention_mask=..., **generation_kwargs)``, each decode step
     (forward, logits processing, choice of the token, end bookkeeping) one graph replay.
 
@@ -65,11 +71,15 @@ def generate(model: Any, input_ids: Optional[torch.Tensor] = None,
     compiled = _compiled(compile)
     with torch.no_grad():
         plan = plan_of(model, input_ids, attention_mask, generation_kwargs)
-        decoder = plan if isinstance(plan, str) else \
-            decoder_for(model, plan, max(rows, plan.prompt.shape[0]), compiled)
+        decoder = (
+            plan
+            if isinstance(plan, str)
+            else decoder_for(model, plan, max(rows, plan.prompt.shape[0]), compiled)
+        )
         if isinstance(decoder, str):
-            return _as_transformers_does(model, input_ids, attention_mask, generation_kwargs,
-                                         decoder)
+            return _as_transformers_does(
+                model, input_ids, attention_mask, generation_kwargs, decoder
+            )
         decoder.start(plan)
         decode(decoder, plan, check_every)
         return decoder.result(plan)
@@ -79,15 +89,20 @@ def transformers_major() -> int:
     try:
         import transformers
     except ImportError as error:
-        raise ImportError("autograph.generate needs Hugging Face transformers: pip install "
-                          "transformers (or torch-autograph[examples])") from error
+        raise ImportError(
+            "autograph.generate needs Hugging Face transformers: pip install "
+            "transformers (or torch-autograph[examples])"
+        ) from error
     return int(transformers.__version__.split(".")[0])
 
 
-def _as_transformers_does(model: Any, input_ids: Any, attention_mask: Any,
-                          kwargs: Any, reason: str) -> Any:
-    warn_user(f"autograph.generate({type(model).__name__}): {reason} is not served by the "
-              f"graphed decode loop, so this call runs model.generate as it is")
+def _as_transformers_does(
+    model: Any, input_ids: Any, attention_mask: Any, kwargs: Any, reason: str
+) -> Any:
+    warn_user(
+        f"autograph.generate({type(model).__name__}): {reason} is not served by the "
+        f"graphed decode loop, so this call runs model.generate as it is"
+    )
     if attention_mask is not None:
         kwargs = {**kwargs, "attention_mask": attention_mask}
     return model.generate(input_ids, **kwargs)
@@ -100,10 +115,13 @@ def _rows_for(input_ids: Any, buckets: Optional[Sequence[int]]) -> int:
     if buckets is None:
         return rows
     sizes = sorted(buckets)
-    if not sizes or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0
-                            for b in sizes):
-        raise ValueError(f"autograph.generate: buckets={list(buckets)!r}; give batch sizes, "
-                         f"positive ints, such as [1, 2, 4, 8].")
+    if not sizes or not all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in sizes
+    ):
+        raise ValueError(
+            f"autograph.generate: buckets={list(buckets)!r}; give batch sizes, "
+            f"positive ints, such as [1, 2, 4, 8]."
+        )
     return next((b for b in sizes if b >= rows), rows)
 
 
@@ -115,11 +133,15 @@ def _compiled(compile: Union[bool, Dict[str, Any]]) -> Optional[Tuple[Tuple[str,
         return ()
     if isinstance(compile, dict):
         return tuple(sorted(compile.items()))
-    raise TypeError(f"autograph.generate: compile={compile!r}; give True, False or a dict of "
-                    f"torch.compile's options.")
+    raise TypeError(
+        f"autograph.generate: compile={compile!r}; give True, False or a dict of "
+        f"torch.compile's options."
+    )
 
 
 def _check_every_is_valid(check_every: int) -> None:
     if not isinstance(check_every, int) or isinstance(check_every, bool) or check_every < 1:
-        raise ValueError(f"autograph.generate: check_every={check_every!r}; give the number of "
-                         f"tokens between the host's looks at 'every row finished' (>= 1).")
+        raise ValueError(
+            f"autograph.generate: check_every={check_every!r}; give the number of "
+            f"tokens between the host's looks at 'every row finished' (>= 1)."
+        )

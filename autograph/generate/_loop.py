@@ -15,6 +15,7 @@ read at each check (docs/design.md, "Decoding").
 ``CHECK_EVERY = 8``: at the 1 ms decode step of the benchmark's model, a check costs the host
 tens of microseconds per 8 ms of GPU work, and an eos wastes at most 15 steps' GPU time.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -31,8 +32,12 @@ class FinishedFlags:
     def __init__(self, alive: torch.Tensor):
         self.alive = alive
         self.slots: Deque[Tuple[torch.Tensor, Optional[Any]]] = deque(
-            (torch.empty((), dtype=alive.dtype, pin_memory=alive.is_cuda),
-             torch.cuda.Event() if alive.is_cuda else None) for _ in range(2))
+            (
+                torch.empty((), dtype=alive.dtype, pin_memory=alive.is_cuda),
+                torch.cuda.Event() if alive.is_cuda else None,
+            )
+            for _ in range(2)
+        )
         self.pending = False
 
     def restart(self) -> None:
@@ -45,7 +50,7 @@ class FinishedFlags:
         host.copy_(self.alive, non_blocking=True)
         event.record()
         self.slots.rotate()
-        if not self.pending:   # the first check of a call: nothing queued before it to read
+        if not self.pending:  # the first check of a call: nothing queued before it to read
             self.pending = True
             return False
         host, previous = self.slots[0]

@@ -20,6 +20,7 @@ and a new temperature is a new graph (a Python float is a constant of the kernel
 transformers' ops). Any other processor or stopping criterion is named, and the call runs
 ``model.generate`` as it is.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,21 +29,22 @@ from typing import Any, Dict, List, Tuple, Union
 
 import torch
 
-_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper",
-            "MinPLogitsWarper")
-_EOS_BLOCKERS = {"MinLengthLogitsProcessor": "min_length",
-                 "MinNewTokensLengthLogitsProcessor": "min_new_tokens"}
+_WARPERS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper")
+_EOS_BLOCKERS = {
+    "MinLengthLogitsProcessor": "min_length",
+    "MinNewTokensLengthLogitsProcessor": "min_new_tokens",
+}
 _CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
-LANES = ("min_length", "min_new_tokens")   # the thresholds held on the device, in this order
+LANES = ("min_length", "min_new_tokens")  # the thresholds held on the device, in this order
 
 
 @dataclass(frozen=True)
 class Recipe:
     """What the decode step applies to a row's scores, and how it chooses."""
 
-    steps: Tuple[Tuple[Any, ...], ...]   # ("warp", class, attributes) | ("eos", lane) | ...
+    steps: Tuple[Tuple[Any, ...], ...]  # ("warp", class, attributes) | ("eos", lane) | ...
     sample: bool
-    ends: bool                           # eos ids are set: rows end, and are padded after
+    ends: bool  # eos ids are set: rows end, and are padded after
 
     @property
     def penalises(self) -> bool:
@@ -55,14 +57,15 @@ class Recipe:
             elif step[0] == "eos":
                 blocked = state.eos_mask & (state.index < state.thresholds[LANES.index(step[1])])
                 scores = torch.where(blocked, -math.inf, scores)
-            else:   # ("repetition", penalty)
+            else:  # ("repetition", penalty)
                 penalised = torch.where(scores < 0, scores * step[1], scores / step[1])
-                scores = torch.where(state.seen[:, :scores.shape[-1]], penalised, scores)
+                scores = torch.where(state.seen[:, : scores.shape[-1]], penalised, scores)
         return scores
 
 
-def recipe_of(processors: Any, criteria: Any, config: Any,
-              length: int) -> Union[Tuple[Recipe, Dict[str, int], Any], str]:
+def recipe_of(
+    processors: Any, criteria: Any, config: Any, length: int
+) -> Union[Tuple[Recipe, Dict[str, int], Any], str]:
     """(recipe, eos thresholds by lane, the repetition penalty's prompt_ignore_length), or the
     name of the processor or criterion the decode step does not apply."""
     steps: List[Tuple[Any, ...]] = []
@@ -77,22 +80,30 @@ def recipe_of(processors: Any, criteria: Any, config: Any,
             steps.append(("warp", type(processor), attributes))
         elif name in _EOS_BLOCKERS:
             lane = _EOS_BLOCKERS[name]
-            until = processor.min_length if lane == "min_length" else \
-                processor.prompt_length_to_skip + processor.min_new_tokens
+            until = (
+                processor.min_length
+                if lane == "min_length"
+                else processor.prompt_length_to_skip + processor.min_new_tokens
+            )
             blocked[lane] = until - length
             steps.append(("eos", lane))
-        elif name == "RepetitionPenaltyLogitsProcessor" and \
-                getattr(processor, "logits_indices", None) is None:
+        elif (
+            name == "RepetitionPenaltyLogitsProcessor"
+            and getattr(processor, "logits_indices", None) is None
+        ):
             ignored = getattr(processor, "prompt_ignore_length", None)
             steps.append(("repetition", processor.penalty))
         else:
             return f"a logits processor autograph.generate does not apply ({name})"
     for criterion in criteria:
         if type(criterion).__name__ not in _CRITERIA:
-            return f"a stopping criterion autograph.generate does not apply " \
-                   f"({type(criterion).__name__})"
-    recipe = Recipe(steps=tuple(steps), sample=bool(config.do_sample),
-                    ends=config._eos_token_tensor is not None)
+            return (
+                f"a stopping criterion autograph.generate does not apply "
+                f"({type(criterion).__name__})"
+            )
+    recipe = Recipe(
+        steps=tuple(steps), sample=bool(config.do_sample), ends=config._eos_token_tensor is not None
+    )
     return recipe, blocked, ignored
 
 
@@ -113,6 +124,6 @@ def seen_in_prompt(seen: torch.Tensor, prompt: torch.Tensor, ignored: Any) -> No
     elif isinstance(ignored, torch.Tensor):
         positions = torch.arange(ids.shape[1], device=ids.device)
         ignored = ignored.to(ids.device)
-        ids = ids.masked_fill(positions[None, :] < ignored[:ids.shape[0], None], vocab)
+        ids = ids.masked_fill(positions[None, :] < ignored[: ids.shape[0], None], vocab)
     seen.zero_()
-    seen[:ids.shape[0]].scatter_(1, ids, True)
+    seen[: ids.shape[0]].scatter_(1, ids, True)

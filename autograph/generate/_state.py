@@ -8,6 +8,7 @@ the loop lives on the host: the last token, its position, the attention mask ove
 cache (the prompt's, then ones: the causal mask hides what is not written yet), which rows are
 unfinished, the tokens made so far and their count (docs/design.md, "Decoding").
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,15 +27,15 @@ class DecodeState:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
         self.rows = rows
-        self.token = longs(rows, 1)           # the next forward's input: the last choice
-        self.position = longs(rows, 1)        # its position id, advanced before the forward
-        self.mask = longs(rows, length)       # the attention mask the decode step passes
-        self.unfinished = longs(rows)         # 1 while a row has not met an eos id
+        self.token = longs(rows, 1)  # the next forward's input: the last choice
+        self.position = longs(rows, 1)  # its position id, advanced before the forward
+        self.mask = longs(rows, length)  # the attention mask the decode step passes
+        self.unfinished = longs(rows)  # 1 while a row has not met an eos id
         self.generated = longs(rows, length + 1)  # the tokens chosen, in order
-        self.index = longs(1)                 # tokens chosen so far (where the next goes)
-        self.count = longs()                  # tokens model.generate would return
-        self.alive = longs()                  # whether any row is unfinished
-        self.thresholds = longs(len(LANES))   # eos blocked while index < these
+        self.index = longs(1)  # tokens chosen so far (where the next goes)
+        self.count = longs()  # tokens model.generate would return
+        self.alive = longs()  # whether any row is unfinished
+        self.thresholds = longs(len(LANES))  # eos blocked while index < these
         self.pad = longs()
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=device)
@@ -56,7 +57,7 @@ class DecodeState:
         self.thresholds.copy_(torch.tensor([plan.eos_blocked_until.get(n, 0) for n in LANES]))
         self.pad.fill_(0)
         self.eos_mask.zero_()
-        if plan.eos is not None:   # the mask transformers' min-length processors build
+        if plan.eos is not None:  # the mask transformers' min-length processors build
             vocab = torch.arange(len(self.eos_mask), device=self.eos_mask.device)
             self.eos_mask.copy_(torch.isin(vocab, plan.eos.to(vocab.device)))
         if plan.pad is not None:

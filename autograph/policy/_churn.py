@@ -27,6 +27,7 @@ The pass-through costs one attribute test and a decrement per call; everything e
 new keys, which cost a warmup anyway. The test is ``> 0``, not truthiness: two threads may
 both decrement the last count, and a negative count must end the pass-through, not extend it.
 """
+
 from __future__ import annotations
 
 import re
@@ -51,12 +52,32 @@ LONGEST_PASS = 1024
 class Churn:
     """The pass-through policy of one key cache (see the module docstring)."""
 
-    __slots__ = ("function", "window", "orphans", "first", "longest", "left", "length",
-                 "streak", "died_unused", "replays_seen", "passed", "looks", "last_parts",
-                 "last_change", "numbers")
+    __slots__ = (
+        "function",
+        "window",
+        "orphans",
+        "first",
+        "longest",
+        "left",
+        "length",
+        "streak",
+        "died_unused",
+        "replays_seen",
+        "passed",
+        "looks",
+        "last_parts",
+        "last_change",
+        "numbers",
+    )
 
-    def __init__(self, function: str, window: int = WINDOW, first: int = FIRST_PASS,
-                 longest: int = LONGEST_PASS, orphans: int = ORPHANS):
+    def __init__(
+        self,
+        function: str,
+        window: int = WINDOW,
+        first: int = FIRST_PASS,
+        longest: int = LONGEST_PASS,
+        orphans: int = ORPHANS,
+    ):
         self.function = function
         self.window, self.orphans, self.first, self.longest = window, orphans, first, longest
         self.left = 0  # calls still to pass through: the engine's hot-path test
@@ -123,51 +144,78 @@ class Churn:
             return None
         passed = self.calls_passed()
         return KeyStats(
-            function=self.function, key="calls passed through (keys churn)", state="eager",
-            calls=passed, eager_calls=passed, replays=0, capture_seconds=None, graph_bytes=0,
-            fallback_reason=self._why())
+            function=self.function,
+            key="calls passed through (keys churn)",
+            state="eager",
+            calls=passed,
+            eager_calls=passed,
+            replays=0,
+            capture_seconds=None,
+            graph_bytes=0,
+            fallback_reason=self._why(),
+        )
 
     def _why(self) -> str:
         if not self.length:
-            return (f"calls ran as plain calls while its keys churned; that ended when a graph "
-                    f"replayed ({self.looks} look(s) before)")
-        now = (f"passing through, next look in {self.left} calls" if self.left > 0 else
-               f"keying again since a look (the next new key passes through "
-               f"{min(2 * self.length, self.longest)} calls)")
+            return (
+                f"calls ran as plain calls while its keys churned; that ended when a graph "
+                f"replayed ({self.looks} look(s) before)"
+            )
+        now = (
+            f"passing through, next look in {self.left} calls"
+            if self.left > 0
+            else f"keying again since a look (the next new key passes through "
+            f"{min(2 * self.length, self.longest)} calls)"
+        )
         changing = f"; from one key to the next: {self.last_change}" if self.last_change else ""
         if self.died_unused:
-            changing += (f"; {self.died_unused} of them died before they were called again "
-                         f"(an argument is a new object on each call)")
-        return (f"{self.streak} new keys in a row were never graphed{changing}, so calls run "
-                f"as plain calls, unkeyed and unwatched; {self.looks} look(s) so far, "
-                f"{now}. {self.advice()}")
+            changing += (
+                f"; {self.died_unused} of them died before they were called again "
+                f"(an argument is a new object on each call)"
+            )
+        return (
+            f"{self.streak} new keys in a row were never graphed{changing}, so calls run "
+            f"as plain calls, unkeyed and unwatched; {self.looks} look(s) so far, "
+            f"{now}. {self.advice()}"
+        )
 
     def warning(self, label: str) -> str:
         """What is said once, when calls start to pass through; ``label``: the new key's."""
-        what = self.last_change or (f"the same readable key, {label}" if self.died_unused
-                                    else f"the key became {label}")
+        what = self.last_change or (
+            f"the same readable key, {label}" if self.died_unused else f"the key became {label}"
+        )
         if self.died_unused:
-            what += (f" ({self.died_unused} of those keys died before they were called again: "
-                     f"an argument is a new object on each call)")
-        return (f"{self.function}: {self.streak} new keys, and no graph replayed since the "
-                f"first of them (a key is captured once it repeats). From one key to the next: "
-                f"{what}. Its calls now run as plain calls, unkeyed and unwatched, looking again "
-                f"now and then (report() has a row). {self.advice()}, or call it outside "
-                f"autograph.")
+            what += (
+                f" ({self.died_unused} of those keys died before they were called again: "
+                f"an argument is a new object on each call)"
+            )
+        return (
+            f"{self.function}: {self.streak} new keys, and no graph replayed since the "
+            f"first of them (a key is captured once it repeats). From one key to the next: "
+            f"{what}. Its calls now run as plain calls, unkeyed and unwatched, looking again "
+            f"now and then (report() has a row). {self.advice()}, or call it outside "
+            f"autograph."
+        )
 
     def advice(self) -> str:
         """What to change for the calls to be graphed."""
         if self.died_unused:
-            return ("Pass the same object on every call, updated in place (for a KV cache, one "
-                    "StaticCache, reset between sequences), to have it graphed")
+            return (
+                "Pass the same object on every call, updated in place (for a KV cache, one "
+                "StaticCache, reset between sequences), to have it graphed"
+            )
         if self.numbers:
             names = " and ".join(self.numbers)
-            return (f"A Python number is part of the key, so each new value of {names} is a new "
-                    f"key: pass it as a tensor on the function's device (torch.tensor(value, "
-                    f"device=...), updated in place with .fill_()), which a graph reads on "
-                    f"every replay, to have it graphed")
-        return ("Give that argument a fixed size (pad it; for a KV cache use a fixed-size one "
-                "such as transformers' StaticCache) to have it graphed")
+            return (
+                f"A Python number is part of the key, so each new value of {names} is a new "
+                f"key: pass it as a tensor on the function's device (torch.tensor(value, "
+                f"device=...), updated in place with .fill_()), which a graph reads on "
+                f"every replay, to have it graphed"
+            )
+        return (
+            "Give that argument a fixed size (pad it; for a KV cache use a fixed-size one "
+            "such as transformers' StaticCache) to have it graphed"
+        )
 
     def reset(self) -> None:
         self.left = self.length = self.streak = self.died_unused = self.replays_seen = 0

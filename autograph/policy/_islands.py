@@ -16,6 +16,7 @@ own Python runs on every call, as eagerly. Not inside another graphed call (its 
 belong to that call), not for warmups, and not with ``islands=False``. The region class lives
 in ``_region``, which imports the engine: it registers how to make an island here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,14 @@ NO_ISLAND = False
 
 def eager_scope(life: Any) -> ContextManager[Any]:
     """Where ``life``'s eager call runs: its island, or inside the call (``nested_calls``)."""
-    if (life.phase != "eager" or not life.options.islands or life.backend is None
-            or _make_island is None or life.island is NO_ISLAND or inside_a_graphed_call()):
+    if (
+        life.phase != "eager"
+        or not life.options.islands
+        or life.backend is None
+        or _make_island is None
+        or life.island is NO_ISLAND
+        or inside_a_graphed_call()
+    ):
         return nested_calls()
     if life.island is None:
         life.island = _make_island({name: getattr(life.options, name) for name in _CARRIED})
@@ -63,5 +70,7 @@ def island_rows(life: Any) -> List[KeyStats]:
     """The keys of ``life``'s island, as rows named ``function > Module``."""
     if not life.island:
         return []
-    return [dataclasses.replace(row, function=f"{life.owner} > {row.function}")
-            for row in life.island.stats().keys]
+    return [
+        dataclasses.replace(row, function=f"{life.owner} > {row.function}")
+        for row in life.island.stats().keys
+    ]

@@ -12,6 +12,7 @@ run eagerly with the reason (the traffic needs more graphs than the budget holds
 and dropping them in turn would cost more than eager). A graph bigger than the whole budget is
 not kept: its key runs eagerly, said with both figures.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -40,12 +41,17 @@ def keep_within_budget(life: Any, lives: Iterable[Any], budget: int) -> bool:
     not fit alone and was dropped (the key now runs eagerly)."""
     own = life.graph.memory_bytes
     if own > budget:
-        life.fall_back(f"its graph takes {_mib(own)}, more than max_graph_memory="
-                       f"{_mib(budget)} allows for all of {life.function.name}'s graphs; "
-                       f"raise max_graph_memory, or use smaller buckets", raise_now=False)
+        life.fall_back(
+            f"its graph takes {_mib(own)}, more than max_graph_memory="
+            f"{_mib(budget)} allows for all of {life.function.name}'s graphs; "
+            f"raise max_graph_memory, or use smaller buckets",
+            raise_now=False,
+        )
         return False
-    others = sorted((other for other in lives if other is not life and other.graph is not None),
-                    key=lambda other: other.last_replay)
+    others = sorted(
+        (other for other in lives if other is not life and other.graph is not None),
+        key=lambda other: other.last_replay,
+    )
     total = own + sum(other.graph.memory_bytes for other in others)
     for other in others:
         if total <= budget:
@@ -60,11 +66,14 @@ def _evict(life: Any, budget: int) -> None:
     phase), or runs eagerly once it was dropped ``MAX_EVICTIONS`` times."""
     life.evictions += 1
     if life.evictions > MAX_EVICTIONS:
-        life.fall_back(f"its graph was dropped {life.evictions} times to keep "
-                       f"{life.function.name}'s graphs within max_graph_memory={_mib(budget)}: "
-                       f"its calls need more graphs than the budget holds, and capturing them "
-                       f"in turn costs more than eager; raise max_graph_memory, or use fewer "
-                       f"buckets", raise_now=False)
+        life.fall_back(
+            f"its graph was dropped {life.evictions} times to keep "
+            f"{life.function.name}'s graphs within max_graph_memory={_mib(budget)}: "
+            f"its calls need more graphs than the budget holds, and capturing them "
+            f"in turn costs more than eager; raise max_graph_memory, or use fewer "
+            f"buckets",
+            raise_now=False,
+        )
         return
     graph, life.graph = life.graph, None
     graph.release()

@@ -18,6 +18,7 @@ taken, up to ``most``, and then the plain medians decide. ``CudaClock`` reads CU
 without synchronising: a timing is read once its end event has passed (``ready``), so a
 decision comes a few calls after its last sample. Tests give a ``Payoff`` plain numbers.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -78,14 +79,18 @@ class Payoff:
 
     def figures(self) -> str:
         replay, eager = self.medians()
-        return (f"replay {_time(replay)}, eager {_time(eager)} (medians of "
-                f"{min(len(self.replays), len(self.eagers))} calls each, GPU clock)")
+        return (
+            f"replay {_time(replay)}, eager {_time(eager)} (medians of "
+            f"{min(len(self.replays), len(self.eagers))} calls each, GPU clock)"
+        )
 
     def reason(self) -> str:
         """The fallback reason of a key whose graph does not pay."""
-        return (f"its graph does not beat its eager run: {self.figures()}; the copies of "
-                f"arguments and outputs cost more than the launches the graph saves. "
-                f"check_payoff=False keeps the graph anyway")
+        return (
+            f"its graph does not beat its eager run: {self.figures()}; the copies of "
+            f"arguments and outputs cost more than the launches the graph saves. "
+            f"check_payoff=False keeps the graph anyway"
+        )
 
 
 def _time(seconds: float) -> str:

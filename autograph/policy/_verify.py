@@ -16,6 +16,7 @@ happened once, as eager execution would have made them.
 Writes that no ATen schema declares (a custom kernel writing through a raw pointer) are not
 saved, so such a function would see them twice.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,12 +24,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 
 import torch
 
-from ..watch._names import describe_tensor
-from ..capture._outputs import flatten_arguments, output_node
-from .._profile import profile_range
 from .._config import logger
-from ..watch._reads import Survey, written_tensors
+from .._profile import profile_range
 from .._scope import nested_calls
+from ..capture._outputs import flatten_arguments, output_node
+from ..watch._names import describe_tensor
+from ..watch._reads import Survey, written_tensors
 from ..watch._undo import UndoWrites
 
 Tensor = torch.Tensor
@@ -85,8 +86,7 @@ class EagerRun(UndoWrites):
         self.dtypes: Dict[int, torch.dtype] = {}
         self.generators_after: List[Tuple[Any, Any]] = []
 
-    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]
-               ) -> Set[int]:
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> Set[int]:
         for tensor in written_tensors(func, args, kwargs):
             self.dtypes.setdefault(tensor.untyped_storage()._cdata, tensor.dtype)
         return super().before(func, args, kwargs, tensors)
@@ -99,8 +99,9 @@ class EagerRun(UndoWrites):
         with torch.no_grad():
             for key in list(self.saved):
                 storage, before = self.saved.pop(key)
-                written.append((storage, self.dtypes.get(key, torch.uint8), storage.clone(),
-                                before))
+                written.append(
+                    (storage, self.dtypes.get(key, torch.uint8), storage.clone(), before)
+                )
                 storage.copy_(before)
         self.generators_after = [(g, g.get_state()) for g, _ in self.generators]
         self.restore()
@@ -117,8 +118,10 @@ class EagerRun(UndoWrites):
 
 # ---- the leaves of an output, with their paths ----
 
-def leaves(obj: Any, given: Set[int], path: str = "out", depth: int = 0
-           ) -> Iterator[Tuple[str, Any]]:
+
+def leaves(
+    obj: Any, given: Set[int], path: str = "out", depth: int = 0
+) -> Iterator[Tuple[str, Any]]:
     """(path, leaf) for each leaf of a returned pytree, walked as ``flatten_output`` walks it.
 
     >>> list(leaves((x, {"logits": y}), set()))
@@ -145,8 +148,9 @@ def _snapshot(value: Any) -> Any:
 _LOOSE = (1e-2, 1e-3)
 
 
-def _error(expected: Tensor, actual: Tensor, loose: bool = False,
-           before: Optional[Tensor] = None) -> Optional[str]:
+def _error(
+    expected: Tensor, actual: Tensor, loose: bool = False, before: Optional[Tensor] = None
+) -> Optional[str]:
     """How ``actual`` differs from ``expected`` (same shape and dtype), or None if it is
     within the dtype's tolerance (``loose``: at least ``_LOOSE``'s). ``before``: state as it
     was before the call, for a loose check, whose relative part then scales with what the
@@ -164,13 +168,20 @@ def _error(expected: Tensor, actual: Tensor, loose: bool = False,
             if dtype == torch.bool:
                 return f"{count} of {bad.numel()} elements differ"
             error = int((expected[bad].long() - actual[bad].long()).abs().max())
-            return f"max abs error {error} in {count} of {bad.numel()} elements (integers " \
-                   f"must match exactly)"
+            return (
+                f"max abs error {error} in {count} of {bad.numel()} elements (integers "
+                f"must match exactly)"
+            )
         rtol, atol = tolerance(dtype)
         if loose:
             rtol, atol = max(rtol, _LOOSE[0]), max(atol, _LOOSE[1])
-        wide = (torch.complex128 if dtype.is_complex else
-                torch.float64 if dtype == torch.float64 else torch.float32)
+        wide = (
+            torch.complex128
+            if dtype.is_complex
+            else torch.float64
+            if dtype == torch.float64
+            else torch.float32
+        )
         e, a = expected.to(wide), actual.to(wide)
         error = (a - e).abs()
         scale = rtol * e.abs()
@@ -182,42 +193,61 @@ def _error(expected: Tensor, actual: Tensor, loose: bool = False,
             return None
         worst = float(error[bad].max())
         of = " of what the call changed" if loose and before is not None else ""
-        return (f"max abs error {'nan' if math.isnan(worst) else f'{worst:.3g}'} in {count} "
-                f"of {bad.numel()} elements (tolerance rtol={rtol:g}{of}, atol={atol:g})")
+        return (
+            f"max abs error {'nan' if math.isnan(worst) else f'{worst:.3g}'} in {count} "
+            f"of {bad.numel()} elements (tolerance rtol={rtol:g}{of}, atol={atol:g})"
+        )
 
 
 def _difference(path: str, expected: Any, actual: Any, loose: bool) -> Optional[str]:
     if isinstance(expected, Tensor) and isinstance(actual, Tensor):
         if (expected.shape, expected.dtype, expected.device) != (
-                actual.shape, actual.dtype, actual.device):
-            return (f"{path} is {describe_tensor(expected)} in the eager run and "
-                    f"{describe_tensor(actual)} in the replay")
+            actual.shape,
+            actual.dtype,
+            actual.device,
+        ):
+            return (
+                f"{path} is {describe_tensor(expected)} in the eager run and "
+                f"{describe_tensor(actual)} in the replay"
+            )
         error = _error(expected, actual, loose)
         return None if error is None else f"{path} ({describe_tensor(expected)}): {error}"
     if isinstance(expected, Tensor) or isinstance(actual, Tensor):
-        return (f"{path} is {type(expected).__name__} in the eager run and "
-                f"{type(actual).__name__} in the replay")
+        return (
+            f"{path} is {type(expected).__name__} in the eager run and "
+            f"{type(actual).__name__} in the replay"
+        )
     simple = (bool, int, float, complex, str, bytes, type(None))
-    if isinstance(expected, simple) and isinstance(actual, simple) and not (
-            type(expected) is type(actual) and (expected == actual or expected != expected
-                                                and actual != actual)):
+    if (
+        isinstance(expected, simple)
+        and isinstance(actual, simple)
+        and not (
+            type(expected) is type(actual)
+            and (expected == actual or expected != expected and actual != actual)
+        )
+    ):
         return f"{path} is {expected!r} in the eager run and {actual!r} in the replay"
     return None
 
 
-def _first_output_difference(expected: List[Tuple[str, Any]], actual: List[Tuple[str, Any]],
-                             loose: bool = False) -> Optional[str]:
+def _first_output_difference(
+    expected: List[Tuple[str, Any]], actual: List[Tuple[str, Any]], loose: bool = False
+) -> Optional[str]:
     for (path, e), (actual_path, a) in zip(expected, actual):
         if path != actual_path:
-            return (f"the outputs differ in structure: {path} in the eager run where the "
-                    f"replay has {actual_path}")
+            return (
+                f"the outputs differ in structure: {path} in the eager run where the "
+                f"replay has {actual_path}"
+            )
         difference = _difference(path, e, a, loose)
         if difference is not None:
             return difference
     if len(expected) != len(actual):
         longer = expected if len(expected) > len(actual) else actual
-        return (f"the outputs differ in structure: {longer[min(len(expected), len(actual))][0]}"
-                f" is only in the {'eager run' if longer is expected else 'replay'}")
+        return (
+            f"the outputs differ in structure: {longer[min(len(expected), len(actual))][0]}"
+            f" is only in the {'eager run' if longer is expected else 'replay'}"
+        )
     return None
 
 
@@ -229,11 +259,13 @@ def _as_tensor(storage: Any, dtype: torch.dtype) -> Tensor:
     # A normal tensor even under inference_mode, so that set_ may take the storage.
     with torch.inference_mode(False):
         return torch.empty(0, dtype=dtype, device=storage.device).set_(
-            storage, 0, (storage.nbytes() // size,), (1,))
+            storage, 0, (storage.nbytes() // size,), (1,)
+        )
 
 
-def _first_state_difference(written: List[Tuple[Any, torch.dtype, Any, Any]], roots: Roots,
-                            loose: bool = False) -> Optional[str]:
+def _first_state_difference(
+    written: List[Tuple[Any, torch.dtype, Any, Any]], roots: Roots, loose: bool = False
+) -> Optional[str]:
     for storage, dtype, after, before in written:
         replayed = _as_tensor(storage, dtype)
         error = _error(_as_tensor(after, dtype), replayed, loose, _as_tensor(before, dtype))
@@ -244,14 +276,19 @@ def _first_state_difference(written: List[Tuple[Any, torch.dtype, Any, Any]], ro
 
 
 def _verify_says(difference: str) -> str:
-    return (f"verify: its replay differs from an eager run of the same call: {difference}. "
-            f"{_CAUSES}")
+    return f"verify: its replay differs from an eager run of the same call: {difference}. {_CAUSES}"
 
 
-def verified_replay(replay: Callable[[], Any], c: Any, function: str, key: str, roots: Roots,
-                    eager: Optional[Callable[[], Any]] = None,
-                    explain: Callable[[str], str] = _verify_says, loose: bool = False
-                    ) -> Tuple[Any, Optional[str]]:
+def verified_replay(
+    replay: Callable[[], Any],
+    c: Any,
+    function: str,
+    key: str,
+    roots: Roots,
+    eager: Optional[Callable[[], Any]] = None,
+    explain: Callable[[str], str] = _verify_says,
+    loose: bool = False,
+) -> Tuple[Any, Optional[str]]:
     """Run the call ``c`` eagerly (``eager``, by default ``c.call`` on its arguments) and take
     it back, ``replay`` the graph, and compare (``loose``: within ``_LOOSE`` at least);
     ``explain`` makes the reason from what differs.
@@ -262,8 +299,11 @@ def verified_replay(replay: Callable[[], Any], c: Any, function: str, key: str, 
     Returns the replay's outputs and None, or, on a mismatch, the eager outputs and what
     differs (the reason to run the key eagerly from now on).
     """
-    given = {id(leaf) for leaf in flatten_arguments((c.args, c.kwargs))[0]
-             if not isinstance(leaf, Tensor)}
+    given = {
+        id(leaf)
+        for leaf in flatten_arguments((c.args, c.kwargs))[0]
+        if not isinstance(leaf, Tensor)
+    }
     run = EagerRun()
     with profile_range("verify", function, key):
         with nested_calls(), run:
@@ -272,8 +312,9 @@ def verified_replay(replay: Callable[[], Any], c: Any, function: str, key: str, 
         written = run.take_back()
     with profile_range("replay", function, key):
         outputs = replay()
-    difference = (_first_output_difference(expected, list(leaves(outputs, given)), loose)
-                  or _first_state_difference(written, roots, loose))
+    difference = _first_output_difference(
+        expected, list(leaves(outputs, given)), loose
+    ) or _first_state_difference(written, roots, loose)
     if difference is None:
         return outputs, None
     run.redo(written)
@@ -286,10 +327,14 @@ def checked_replay(life: Any, c: Any, run_call: Callable[[Any, Any], Any]) -> An
     per-bucket state); a mismatch makes the key eager, and the caller gets the eager run's
     outputs and effects."""
     life.checks_left -= 1
-    outputs, mismatch = verified_replay(lambda: life.graph.replay(c.tensors, c.padding), c,
-                                        life.function.name, life.label,
-                                        lambda: life.function.roots(c),
-                                        lambda: run_call(life, c))
+    outputs, mismatch = verified_replay(
+        lambda: life.graph.replay(c.tensors, c.padding),
+        c,
+        life.function.name,
+        life.label,
+        lambda: life.function.roots(c),
+        lambda: run_call(life, c),
+    )
     if mismatch is not None:
         life.eager_calls += 1
         c.note(life, "eager_calls")
@@ -299,6 +344,10 @@ def checked_replay(life: Any, c: Any, run_call: Callable[[Any, Any], Any]) -> An
     life.verified += 1
     c.note(life, "replays")
     if not life.checks_left:
-        logger.info("%s(%s): its first %d replays after capture matched eager runs",
-                    life.function.name, life.label, life.options.replays_to_verify)
+        logger.info(
+            "%s(%s): its first %d replays after capture matched eager runs",
+            life.function.name,
+            life.label,
+            life.options.replays_to_verify,
+        )
     return outputs

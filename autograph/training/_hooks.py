@@ -18,6 +18,7 @@ A module's backward hooks (``register_full_backward_hook``, ``register_full_back
 ``register_backward_hook`` and the global ones) are Python run by nodes inside the forward's
 autograd graph: a graph would run them once, at capture, and never on replays.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -82,7 +83,9 @@ class ModuleBackwardHooks:
             found = f"the global module backward hook {global_backward_hooks()}"
         if found is None:
             return None
-        return (f"{found} is Python that runs inside the backward, which a graph would run "
-                f"once at capture and never on replays. Register a hook on the tensors "
-                f"instead (Tensor.register_hook on a parameter runs as eagerly), or run this "
-                f"module eagerly under autograph.region(enabled=False)")
+        return (
+            f"{found} is Python that runs inside the backward, which a graph would run "
+            f"once at capture and never on replays. Register a hook on the tensors "
+            f"instead (Tensor.register_hook on a parameter runs as eagerly), or run this "
+            f"module eagerly under autograph.region(enabled=False)"
+        )

@@ -4,6 +4,7 @@
 >>> packed = PackedGradients(torch.autograd.grad(outputs, inputs))  # inside the capture
 >>> packed.hand_out(needed)     # after a replay: views of fresh copies
 """
+
 from __future__ import annotations
 
 import operator
@@ -49,8 +50,12 @@ class PackedGradients:
         for members in groups.values():
             members.sort(key=lambda i: tuple(grads[i].shape))  # stable: same shapes together
             order += members
-            self.groups.append((_flatten_dense_tensors([grads[i] for i in members]),
-                                _runs([grads[i].shape for i in members])))
+            self.groups.append(
+                (
+                    _flatten_dense_tensors([grads[i] for i in members]),
+                    _runs([grads[i].shape for i in members]),
+                )
+            )
         # Where each gradient is in the list of views (the last entry stands for None).
         where = [len(order)] * len(grads)
         for position, i in enumerate(order):

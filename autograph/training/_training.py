@@ -32,6 +32,7 @@ hooks (``torch.utils.checkpoint``; recomputation is Python) or runs inside them,
 tensor computed with gradients outside the call, it writes in place to an argument that
 requires grad, or it is bucketed. Double backward through a replay raises with the fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,24 +43,26 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..backends._backend import Capture
 from .._config import logger
+from ..backends._backend import Capture
+from ..backends._streams import on_stream
 from ..capture._graph import Graph
-from ..watch._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
-from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
-from ..watch._modes import tensors_in
-from ._packed_grads import PackedGradients
 from ..capture._plan import InputPlan, copy_all
-from ..watch._reads import Survey
 from ..capture._recording import CaptureFailed, CaptureRequest, Recorded, capture_failure, record
 from ..capture._recording import refused as _refused
-from ..backends._streams import on_stream
+from ..watch._guard import Finding, UnsafeOpDetector, location_in_traceback, location_of_caller
+from ..watch._modes import tensors_in
+from ..watch._reads import Survey
+from ._hooks import ModuleBackwardHooks, lifted_tensor_hooks
+from ._packed_grads import PackedGradients
 
 Tensor = torch.Tensor
 
 
-_WRITES_TRAINED = ("it writes in place to an argument that requires grad, which a graphed "
-                   "backward cannot follow. Write to a copy (x = x.clone()) or run it eagerly")
+_WRITES_TRAINED = (
+    "it writes in place to an argument that requires grad, which a graphed "
+    "backward cannot follow. Write to a copy (x = x.clone()) or run it eagerly"
+)
 
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -92,8 +95,9 @@ class _ForwardWatch(TorchDispatchMode):
         self.hooked = False
         self.module_hooks = ModuleBackwardHooks()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         for t in tensors_in((*args, *kwargs.values())):
             if id(t) in self.skip or not t.is_leaf:
@@ -113,9 +117,17 @@ class _Backward:
     >>> grads = backward.replay(incoming, needed)    # copy in, replay, fresh gradients
     """
 
-    def __init__(self, capture: Capture, outputs: List[Tensor], needs: List[bool],
-                 grad_outputs: List[Tensor], trained: List[int], leaves: List[Tensor],
-                 frozen: List[Tensor], survey: Survey):
+    def __init__(
+        self,
+        capture: Capture,
+        outputs: List[Tensor],
+        needs: List[bool],
+        grad_outputs: List[Tensor],
+        trained: List[int],
+        leaves: List[Tensor],
+        frozen: List[Tensor],
+        survey: Survey,
+    ):
         self.graph = capture.graph
         self.seconds, self.memory_bytes = capture.seconds, capture.memory_bytes
         # The forward's outputs keep its autograd graph, and so its activations, alive: the
@@ -141,11 +153,13 @@ class _Backward:
                 return f"{name}.requires_grad (turned on since capture)"
         return None
 
-    def replay(self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool]
-               ) -> List[Optional[Tensor]]:
+    def replay(
+        self, grads: Sequence[Optional[Tensor]], needed: Sequence[bool]
+    ) -> List[Optional[Tensor]]:
         dst, src = [], []
-        for static, grad in zip(self.grad_outputs,
-                                (g for g, need in zip(grads, self.needs) if need)):
+        for static, grad in zip(
+            self.grad_outputs, (g for g, need in zip(grads, self.needs) if need)
+        ):
             if grad is None:
                 static.zero_()
             elif grad.data_ptr() != static.data_ptr():
@@ -160,8 +174,14 @@ class _Replay(torch.autograd.Function):
     """One call of a training graph: the forward graph's replay, and the backward graph's."""
 
     @staticmethod
-    def forward(ctx: Any, graph: "TrainingGraph", tensors: Sequence[Tensor], copy_in: bool,
-                caller: Any, *differentiable: Tensor) -> Tuple[Tensor, ...]:
+    def forward(
+        ctx: Any,
+        graph: "TrainingGraph",
+        tensors: Sequence[Tensor],
+        copy_in: bool,
+        caller: Any,
+        *differentiable: Tensor,
+    ) -> Tuple[Tensor, ...]:
         ctx.graph = graph
         ctx.set_materialize_grads(False)
         # Held only by this call's autograd graph, until its backward ran (without
@@ -175,8 +195,9 @@ class _Replay(torch.autograd.Function):
         else:  # the replay runs in the caller's stream order; only the node is on the other
             with on_stream(caller):
                 outputs = graph.replay_forward(tensors, copy_in)
-        ctx.mark_non_differentiable(*(o for o, need in zip(outputs, graph.backward.needs)
-                                      if not need))
+        ctx.mark_non_differentiable(
+            *(o for o, need in zip(outputs, graph.backward.needs) if not need)
+        )
         return tuple(outputs)
 
     @staticmethod
@@ -187,10 +208,10 @@ class _Replay(torch.autograd.Function):
                 f"autograph: {graph.label} was graphed, and a graphed backward cannot be "
                 f"differentiated again (create_graph=True, double backward, gradient "
                 f"penalties). Run this call eagerly: call it inside "
-                f"autograph.region(enabled=False).")
+                f"autograph.region(enabled=False)."
+            )
         graph.pool.before_replay()
-        return (None, None, None, None,
-                *graph.backward.replay(grads, ctx.needs_input_grad[4:]))
+        return (None, None, None, None, *graph.backward.replay(grads, ctx.needs_input_grad[4:]))
 
 
 def _refuse_before_capture(request: CaptureRequest) -> None:
@@ -199,13 +220,15 @@ def _refuse_before_capture(request: CaptureRequest) -> None:
             "its outputs need gradients, and a bucketed call does not get a graphed "
             "backward: the padding rows would flow into reductions and parameter "
             "gradients. Leave out buckets= for training, or call it under "
-            "torch.no_grad() for inference")
+            "torch.no_grad() for inference"
+        )
     if _user_saved_tensor_hooks():
         raise _refused(
             "saved-tensor hooks are active around the call (torch.utils.checkpoint or "
             "torch.autograd.graph.save_on_cpu wrapping it), and a graph keeps its "
             "activations in its own memory. Checkpoint inside the module instead, or "
-            "call it outside those hooks")
+            "call it outside those hooks"
+        )
 
 
 def _trained_statics(tensors: Sequence[Tensor], inputs: InputPlan) -> List[int]:
@@ -217,7 +240,8 @@ def _trained_statics(tensors: Sequence[Tensor], inputs: InputPlan) -> List[int]:
                 raise _refused(
                     f"argument {i} is passed by address (static_argnames) and was "
                     f"computed with gradients, which could then not flow back through "
-                    f"it. Leave it out of static_argnames, so that it is copied in")
+                    f"it. Leave it out of static_argnames, so that it is copied in"
+                )
         else:
             inputs.statics[i].requires_grad_()
     return trained
@@ -233,13 +257,15 @@ def _refuse_backward(reads: "_ForwardWatch", recorded: Recorded) -> None:
             "use_reentrant=False, activation offloading), whose backward runs Python "
             "(recomputation, copies back) that a graph would capture once and replay "
             "unfaithfully. Turn gradient checkpointing off for this module, or run it "
-            "eagerly under autograph.region(enabled=False)")
+            "eagerly under autograph.region(enabled=False)"
+        )
     for t in recorded.watch.external.values():
         if t.requires_grad and not t.is_leaf:
             raise _refused(
                 f"it reads {recorded.survey.name(t)}, which was computed with gradients "
                 f"outside the call, so gradients could not flow back through it. Pass it as "
-                f"an argument")
+                f"an argument"
+            )
 
 
 class TrainingGraph(Graph):
@@ -264,8 +290,14 @@ class TrainingGraph(Graph):
         trained = _trained_statics(request.tensors, inputs)
         reads = _ForwardWatch([inputs.statics[i] for i in trained])
         watches = [reads, reads.module_hooks]
-        recorded = record(request, inputs, watches=watches, refuse_error=lambda error: (
-            _WRITES_TRAINED if "leaf Variable that requires grad" in str(error) else None))
+        recorded = record(
+            request,
+            inputs,
+            watches=watches,
+            refuse_error=lambda error: (
+                _WRITES_TRAINED if "leaf Variable that requires grad" in str(error) else None
+            ),
+        )
         try:
             return cls._with_backward(request, recorded, trained, reads)
         except BaseException:  # CaptureFailed, or a Ctrl-C in the backward's capture
@@ -276,8 +308,9 @@ class TrainingGraph(Graph):
             raise
 
     @classmethod
-    def _with_backward(cls, request: CaptureRequest, recorded: Recorded, trained: List[int],
-                       reads: "_ForwardWatch") -> "TrainingGraph":
+    def _with_backward(
+        cls, request: CaptureRequest, recorded: Recorded, trained: List[int], reads: "_ForwardWatch"
+    ) -> "TrainingGraph":
         inputs, outputs = recorded.inputs, recorded.outputs
         if any(i in trained for i in inputs.mutated):
             raise _refused(_WRITES_TRAINED)
@@ -294,22 +327,38 @@ class TrainingGraph(Graph):
             return graph
         _refuse_backward(reads, recorded)
         if request.policy == "static":
-            logger.info("%s: its outputs need gradients, so it returns copies "
-                        "(outputs='static' applies to calls without gradients)", request.label)
+            logger.info(
+                "%s: its outputs need gradients, so it returns copies "
+                "(outputs='static' applies to calls without gradients)",
+                request.label,
+            )
         leaves = list(reads.trained.values())
         grad_outputs, backward_capture = cls._record_backward(
-            request, outputs.owned, needs, [inputs.statics[i] for i in trained], leaves)
-        graph.backward = _Backward(backward_capture, outputs.owned, needs, grad_outputs,
-                                   trained, leaves, list(reads.frozen.values()), recorded.survey)
+            request, outputs.owned, needs, [inputs.statics[i] for i in trained], leaves
+        )
+        graph.backward = _Backward(
+            backward_capture,
+            outputs.owned,
+            needs,
+            grad_outputs,
+            trained,
+            leaves,
+            list(reads.frozen.values()),
+            recorded.survey,
+        )
         graph.frozen = None  # its backward checks the frozen parameters its forward's ops read
         graph.capture_seconds += graph.backward.seconds
         graph.memory_bytes += graph.backward.memory_bytes
         return graph
 
     @staticmethod
-    def _record_backward(request: CaptureRequest, outputs: List[Tensor], needs: List[bool],
-                         statics: List[Tensor], leaves: List[Tensor]
-                         ) -> Tuple[List[Tensor], Capture]:
+    def _record_backward(
+        request: CaptureRequest,
+        outputs: List[Tensor],
+        needs: List[bool],
+        statics: List[Tensor],
+        leaves: List[Tensor],
+    ) -> Tuple[List[Tensor], Capture]:
         """Capture the gradients of ``outputs`` with respect to ``statics`` and ``leaves``
         from static output gradients; return those and the capture."""
         backend = request.backend
@@ -321,27 +370,42 @@ class TrainingGraph(Graph):
         # (the forward's casts are recorded in its autograd graph either way).
         # Without the leaves' own hooks: those run on the replay's gradients (``_hooks``).
         def run_backward() -> Any:
-            with torch.autocast(backend.device_type, enabled=False), \
-                    lifted_tensor_hooks(leaves):
-                return PackedGradients(torch.autograd.grad(
-                    differentiable, statics + leaves, grad_outputs, retain_graph=True,
-                    allow_unused=True), alone=len(statics))
+            with torch.autocast(backend.device_type, enabled=False), lifted_tensor_hooks(leaves):
+                return PackedGradients(
+                    torch.autograd.grad(
+                        differentiable,
+                        statics + leaves,
+                        grad_outputs,
+                        retain_graph=True,
+                        allow_unused=True,
+                    ),
+                    alone=len(statics),
+                )
 
         backend.prepare_backward(request.device, request.uses_cudnn)
         # The guard around the capture, not inside it: backward kernels such as silu_backward
         # reach dispatch modes whole, and the guard runs such an op's own kernel below the
         # modes under it, so the CPU emulation's recorder must see each op before the guard.
         with detector:
-            capture = backend.capture(run_backward, request.device, request.pool.handle,
-                                      request.uses_cudnn, request.generators)
+            capture = backend.capture(
+                run_backward,
+                request.device,
+                request.pool.handle,
+                request.uses_cudnn,
+                request.generators,
+            )
         finding = capture_failure(detector, capture)
         if not isinstance(capture.error, (Exception, type(None))):
             raise capture.error  # a KeyboardInterrupt or SystemExit: no capture failure
         if finding is None and capture.error is not None:
             location, source = location_in_traceback(capture.error.__traceback__)
             first = (str(capture.error).strip().splitlines() or [""])[0]
-            finding = Finding("its backward", f"could not be captured "
-                              f"({type(capture.error).__name__}: {first})", location, source)
+            finding = Finding(
+                "its backward",
+                f"could not be captured ({type(capture.error).__name__}: {first})",
+                location,
+                source,
+            )
         if finding is not None:
             if finding.source == "":  # raised inside torch: name the user's call instead
                 location, source = location_of_caller(sys._getframe())
@@ -349,8 +413,7 @@ class TrainingGraph(Graph):
             raise CaptureFailed(finding)
         return grad_outputs, capture
 
-    def replay(self, tensors: Sequence[Tensor], padding: Any = None,
-               copy_in: bool = True) -> Any:
+    def replay(self, tensors: Sequence[Tensor], padding: Any = None, copy_in: bool = True) -> Any:
         """This call's outputs: from the autograd Function, whose backward replays the
         backward graph (or, without a backward graph, as ``Graph.replay``)."""
         if self.backward is None:
@@ -382,8 +445,11 @@ class TrainingGraph(Graph):
     def may_replay(self) -> bool:
         if self.invalid_reason is None and self.backward is not None:
             # Its autograd graph holds the leaves it read: a replaced one is never freed.
-            self.invalid_reason = self.backward.changed() or (
-                self.slots is not None and self.slots.changed(always=True)) or None
+            self.invalid_reason = (
+                self.backward.changed()
+                or (self.slots is not None and self.slots.changed(always=True))
+                or None
+            )
         return super().may_replay()
 
     def busy(self) -> bool:
@@ -399,6 +465,6 @@ class TrainingGraph(Graph):
                 "%s: called again while an earlier call's backward may still run (or inside "
                 "saved-tensor hooks), so this call runs eagerly: its graph holds one call's "
                 "activations. Call backward after each forward to keep calls graphed",
-                self.label)
+                self.label,
+            )
         return busy
-

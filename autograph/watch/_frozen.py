@@ -13,6 +13,7 @@ parameter is read on every replay, about 70 ns each on a CPU (torch 2.13); graph
 without gradients (``no_grad``, ``inference_mode``) pay nothing, as their key says how the
 call runs. (A training graph's backward checks its own frozen parameters: ``_training``.)
 """
+
 from __future__ import annotations
 
 import weakref
@@ -37,8 +38,11 @@ class FrozenReads:
         call), or None."""
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return None
-        frozen = [(weakref.ref(t), survey.name(t)) for t in external.values()
-                  if isinstance(t, torch.nn.Parameter) and not t.requires_grad]
+        frozen = [
+            (weakref.ref(t), survey.name(t))
+            for t in external.values()
+            if isinstance(t, torch.nn.Parameter) and not t.requires_grad
+        ]
         return cls(frozen) if frozen else None
 
     def unfrozen(self) -> Optional[str]:

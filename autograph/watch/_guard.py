@@ -26,6 +26,7 @@ capture; ``classify_capture_error`` turns those errors into findings too. Not ev
 rejected: torch captures a CUDA generator's ``set_state()`` without complaint (torch 2.11), so
 a ``Generator`` object's ``set_state()`` goes unseen.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,10 +100,13 @@ _UNNAMED_READ = "reading a tensor's value in Python"
 
 def _host_read_name(source: str) -> str:
     """Name the Python construct behind ``aten._local_scalar_dense`` from the source line."""
-    for pattern, name in ((r"\.item\(\)", ".item()"), (r"\.tolist\(\)", ".tolist()"),
-                          (r"(?<![\w.])bool\(", "bool(tensor)"),
-                          (r"(?<![\w.])int\(", "int(tensor)"),
-                          (r"(?<![\w.])float\(", "float(tensor)")):
+    for pattern, name in (
+        (r"\.item\(\)", ".item()"),
+        (r"\.tolist\(\)", ".tolist()"),
+        (r"(?<![\w.])bool\(", "bool(tensor)"),
+        (r"(?<![\w.])int\(", "int(tensor)"),
+        (r"(?<![\w.])float\(", "float(tensor)"),
+    ):
         if re.search(pattern, source):
             return name
     if source.startswith(("if ", "elif ", "while ", "assert ")) or " if " in source:
@@ -135,22 +139,31 @@ def _optimizer_words(optimizer: torch.optim.Optimizer) -> Tuple[str, str]:
     """(operation, consequence) for a CPU computation inside ``optimizer.step()``."""
     name = type(optimizer).__name__
     if "capturable" in optimizer.defaults and not all(
-            group.get("capturable") for group in optimizer.param_groups):
+        group.get("capturable") for group in optimizer.param_groups
+    ):
         return _not_capturable(name), (
             "keeps its step count on the CPU, which a graph freezes at capture: create it "
-            f"with {name}(..., capturable=True)")
-    return f"{name}.step()", ("runs on the CPU, which a graph freezes at capture: step this "
-                              "optimizer outside the graphed function")
+            f"with {name}(..., capturable=True)"
+        )
+    return f"{name}.step()", (
+        "runs on the CPU, which a graph freezes at capture: step this "
+        "optimizer outside the graphed function"
+    )
 
 
 def host_read_fix(operation: str) -> str:
     """What to write instead of a host read named ``operation`` (``_host_read_name``)."""
     if operation == "a tensor used as a Python condition":
-        return ("a graph would freeze the branch taken at capture: choose on the GPU with "
-                "torch.where(condition, a, b), or decide outside the graphed function")
+        return (
+            "a graph would freeze the branch taken at capture: choose on the GPU with "
+            "torch.where(condition, a, b), or decide outside the graphed function"
+        )
     without = f" (without {operation})" if operation == ".item()" else ""
-    return ("a graph would freeze the value read at capture: keep it a tensor" + without +
-            ", or read it outside the graphed function")
+    return (
+        "a graph would freeze the value read at capture: keep it a tensor"
+        + without
+        + ", or read it outside the graphed function"
+    )
 
 
 def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
@@ -179,15 +192,13 @@ class LibraryUse(Observer):
         # The private random generators the call draws from: a CUDA capture registers them.
         self.generators: List[torch.Generator] = []
 
-    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]
-               ) -> None:
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> None:
         if not self.uses_cudnn and (TRAITS.get(func) or traits_of(func)).cudnn:
             self.uses_cudnn = True
         generator = kwargs.get("generator")
         # An op sees a new Python object for the same generator at each draw: told apart by
         # the generator's own identity (``_cdata``, docs/design.md "Private torch APIs").
-        if generator is not None and \
-                all(generator._cdata != g._cdata for g in self.generators):
+        if generator is not None and all(generator._cdata != g._cdata for g in self.generators):
             self.generators.append(generator)
 
 
@@ -220,8 +231,7 @@ class UnsafeOpDetector(LibraryUse):
     def split(self, func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
         return judged_apart(func, tensors, self.device_type)
 
-    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]
-               ) -> None:
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> None:
         super().before(func, args, kwargs, tensors)
         unsafe = unsafe_op(func, args, kwargs, self.device_type)
         if unsafe is not None:
@@ -247,20 +257,28 @@ class UnsafeOpDetector(LibraryUse):
 _NOT_PERMITTED = "operation not permitted when stream is capturing"
 _CAPTURE_ERRORS = (
     (_NOT_PERMITTED, "made a CUDA call that stream capture does not allow"),
-    ("operation failed due to a previous error during capture",
-     "made a CUDA call that invalidated the capture"),
+    (
+        "operation failed due to a previous error during capture",
+        "made a CUDA call that invalidated the capture",
+    ),
     ("called a synchronizing CUDA operation", _SYNC_CONSEQUENCE),
-    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture",
-     "copies between pageable host memory and the GPU, which cannot be captured"),
+    (
+        "Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+        "copies between pageable host memory and the GPU, which cannot be captured",
+    ),
     ("Offset increment outside graph capture", "left the CUDA random generator unusable"),
     ("during CUDA graph capture", "is not allowed during CUDA graph capture"),
     ("graph capture", "failed during CUDA graph capture"),
-    ("CUDA generator", "uses a CUDA random generator that the capture does not know (one "
-     "made inside the function, or first drawn from in the capture; torch < 2.4 graphs no "
-     "private generator). Make the generator once, outside the function"),
+    (
+        "CUDA generator",
+        "uses a CUDA random generator that the capture does not know (one "
+        "made inside the function, or first drawn from in the capture; torch < 2.4 graphs no "
+        "private generator). Make the generator once, outside the function",
+    ),
 )
 _OPTIMIZER_REFUSED = re.compile(
-    r"graph capture of step\(\) for an instance of (\w+) but param_groups' capturable is False")
+    r"graph capture of step\(\) for an instance of (\w+) but param_groups' capturable is False"
+)
 # Autograd accumulates a parameter's gradient on the stream its AccumulateGrad node was made
 # on (torch >= 2.9). A node made on the default stream before autograph first saw the call,
 # and kept alive since, makes the default stream wait on the capture, which CUDA refuses.
@@ -270,7 +288,8 @@ _STALE_ACCUMULATOR = (
     "call and still alive (the output or loss of an earlier eager call, or DDP built on the "
     "default stream), and a graph cannot capture the default stream. Drop references to "
     "earlier outputs before the first graphed call (del loss), or build DDP inside "
-    "`with torch.cuda.stream(autograph.capture_stream()):`")
+    "`with torch.cuda.stream(autograph.capture_stream()):`"
+)
 _SEEDING_CALL = re.compile(r"[\w.]*(?:seed|set_rng_state|set_state|fork_rng)\w*\(")
 
 
@@ -285,7 +304,8 @@ def _named_cause(text: str, source: str) -> Optional[Tuple[str, str]]:
     if refused:
         name = refused.group(1)
         return _not_capturable(name), (
-            f"cannot be captured: create it with {name}(..., capturable=True)")
+            f"cannot be captured: create it with {name}(..., capturable=True)"
+        )
     if "set_current_seed" in text or "CUDAGeneratorImpl::seed" in text:
         call = _SEEDING_CALL.search(source)
         return (call.group(0) + ")" if call else "reseeding a random generator"), _RESEEDS
@@ -293,8 +313,10 @@ def _named_cause(text: str, source: str) -> Optional[Tuple[str, str]]:
         return "gradient accumulation into a parameter", _STALE_ACCUMULATOR
     if _NOT_PERMITTED in text and _host_read_name(source) != _UNNAMED_READ:
         operation = _host_read_name(source)
-        return operation, (f"{_SYNC_CONSEQUENCE}: CUDA stopped the capture ({_NOT_PERMITTED}); "
-                           f"{host_read_fix(operation)}")
+        return operation, (
+            f"{_SYNC_CONSEQUENCE}: CUDA stopped the capture ({_NOT_PERMITTED}); "
+            f"{host_read_fix(operation)}"
+        )
     return None
 
 
@@ -318,8 +340,10 @@ def raised_by_user(error: BaseException) -> bool:
     code = tb.tb_frame.f_code
     if not is_user_file(code.co_filename):
         return False
-    return any(instruction.offset == tb.tb_lasti and instruction.opcode in _RAISES
-               for instruction in dis.get_instructions(code))
+    return any(
+        instruction.offset == tb.tb_lasti and instruction.opcode in _RAISES
+        for instruction in dis.get_instructions(code)
+    )
 
 
 def classify_capture_error(error: BaseException) -> Optional[Finding]:

@@ -13,6 +13,7 @@ Python, so a reseed would happen at capture only. The outermost call is reported
 user's line. The patches are installed while any thread watches, and report only to the
 thread that watches.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,15 +26,23 @@ import torch
 
 SYNC_CONSEQUENCE = "synchronises with the host"
 READS_VALUES = "reads the tensor's values in Python, which a graph freezes at capture"
-RESEEDS = ("reseeds the random generator, which a graph does only at capture: replays would "
-           "not restart the random sequence")
-SETS_STATE = ("sets the random generator's state, which a graph does only at capture: replays "
-              "would not restart the random sequence")
-FORKS = ("restores the random generator's state on exit, which a graph does only at capture: "
-         "replays would not restore it")
+RESEEDS = (
+    "reseeds the random generator, which a graph does only at capture: replays would "
+    "not restart the random sequence"
+)
+SETS_STATE = (
+    "sets the random generator's state, which a graph does only at capture: replays "
+    "would not restart the random sequence"
+)
+FORKS = (
+    "restores the random generator's state on exit, which a graph does only at capture: "
+    "replays would not restore it"
+)
 
-_COMPILER_DIRS = tuple(os.path.join(os.path.dirname(torch.__file__), name) + os.sep
-                       for name in ("_inductor", "_dynamo"))
+_COMPILER_DIRS = tuple(
+    os.path.join(os.path.dirname(torch.__file__), name) + os.sep
+    for name in ("_inductor", "_dynamo")
+)
 
 
 def in_compiled_code_runtime(frame: Optional[FrameType]) -> bool:
@@ -68,22 +77,43 @@ def _patch_targets() -> list:
     # torch.manual_seed (torch.random.manual_seed under another name) calls
     # torch.cuda.manual_seed_all: the outermost call reports first, and only the first
     # finding is kept.
-    seeding = [(owner, name, f"{prefix}.{name}()",
-                SETS_STATE if name.startswith("set_") else RESEEDS, _always)
-               for owner, prefix, names in (
-                   (torch, "torch", ("manual_seed", "seed", "set_rng_state")),
-                   (torch.random, "torch.random", ("manual_seed", "seed", "set_rng_state")),
-                   (torch.cuda, "torch.cuda", ("manual_seed", "manual_seed_all", "seed",
-                                               "seed_all", "set_rng_state",
-                                               "set_rng_state_all")))
-               for name in names]
+    seeding = [
+        (
+            owner,
+            name,
+            f"{prefix}.{name}()",
+            SETS_STATE if name.startswith("set_") else RESEEDS,
+            _always,
+        )
+        for owner, prefix, names in (
+            (torch, "torch", ("manual_seed", "seed", "set_rng_state")),
+            (torch.random, "torch.random", ("manual_seed", "seed", "set_rng_state")),
+            (
+                torch.cuda,
+                "torch.cuda",
+                (
+                    "manual_seed",
+                    "manual_seed_all",
+                    "seed",
+                    "seed_all",
+                    "set_rng_state",
+                    "set_rng_state_all",
+                ),
+            ),
+        )
+        for name in names
+    ]
     return seeding + [
         # Reported where the user enters it: its restore runs from contextlib, on exit.
         (torch.random, "fork_rng", "torch.random.fork_rng()", FORKS, _always),
-        (torch.cuda, "synchronize", "torch.cuda.synchronize()", "waits for the whole GPU",
-         _always),
-        (torch.cuda, "empty_cache", "torch.cuda.empty_cache()",
-         "changes the allocator, which a graph cannot replay", _always),
+        (torch.cuda, "synchronize", "torch.cuda.synchronize()", "waits for the whole GPU", _always),
+        (
+            torch.cuda,
+            "empty_cache",
+            "torch.cuda.empty_cache()",
+            "changes the allocator, which a graph cannot replay",
+            _always,
+        ),
         (torch.cuda.Stream, "synchronize", "Stream.synchronize()", SYNC_CONSEQUENCE, _always),
         (torch.cuda.Stream, "query", "Stream.query()", "polls the GPU from the host", _always),
         (torch.cuda.Event, "synchronize", "Event.synchronize()", SYNC_CONSEQUENCE, _always),
@@ -102,21 +132,32 @@ def _printed(device_type: str) -> tuple:
     tensor (the emulation's) is read in Python."""
     fix = "print outside the graphed function (a print inside it runs at warmup and capture only)"
     if device_type == "cuda":
-        return ("print() or repr() of a GPU tensor",
-                f"copies it to the host, which synchronises: {fix}")
+        return (
+            "print() or repr() of a GPU tensor",
+            f"copies it to the host, which synchronises: {fix}",
+        )
     return "print() or repr() of a CPU tensor", f"{READS_VALUES}: {fix}"
 
 
-def _guarded(original: Callable, operation: Any, consequence: Optional[str],
-             applies: Callable[[tuple, str], bool]) -> Callable:
+def _guarded(
+    original: Callable,
+    operation: Any,
+    consequence: Optional[str],
+    applies: Callable[[tuple, str], bool],
+) -> Callable:
     """``original``, reporting to the thread's detector; ``operation`` is a name, or a
     function of the graphed device type giving (operation, consequence)."""
+
     def guarded(*args: Any, **kwargs: Any) -> Any:
         detector = getattr(_local, "detector", None)
-        if detector is not None and applies(args, detector.device_type) \
-                and not in_compiled_code_runtime(sys._getframe(1)):
-            words = operation(detector.device_type) if callable(operation) \
-                else (operation, consequence)
+        if (
+            detector is not None
+            and applies(args, detector.device_type)
+            and not in_compiled_code_runtime(sys._getframe(1))
+        ):
+            words = (
+                operation(detector.device_type) if callable(operation) else (operation, consequence)
+            )
             detector.report(*words, sys._getframe(1))
         return original(*args, **kwargs)
 
@@ -133,8 +174,7 @@ def _install_patches() -> None:
         for owner, name, operation, consequence, applies in _patch_targets():
             # None: inherited (Tensor.tolist is TensorBase's), so removing the patch deletes it.
             _originals[(owner, name)] = owner.__dict__.get(name)
-            setattr(owner, name, _guarded(getattr(owner, name), operation, consequence,
-                                          applies))
+            setattr(owner, name, _guarded(getattr(owner, name), operation, consequence, applies))
 
 
 def _remove_patches() -> None:
@@ -149,8 +189,6 @@ def _remove_patches() -> None:
             else:
                 setattr(owner, name, original)
         _originals.clear()
-
-
 
 
 class watch_host_calls:

@@ -17,6 +17,7 @@ level costs every op about 3 us in torch's own machinery (its push and pop, the 
 rule, Dynamo's guard around ``__torch_dispatch__``) before any work of ours, and a watched run
 makes hundreds of ops (docs/design.md, "Dispatch modes").
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 try:  # torch's own reader of the thread's mode stack, private (docs/design.md)
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 except ImportError:  # pragma: no cover - every observer then pushes a mode of its own
+
     def _get_current_dispatch_mode() -> Any:
         return None
 
@@ -91,8 +93,7 @@ class Observer:
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> Any:
         return None
 
-    def before_split(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]
-                     ) -> Any:
+    def before_split(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> Any:
         return self.before(func, args, kwargs, tensors)
 
     def after(self, token: Any, out: Any) -> None:
@@ -144,8 +145,9 @@ class OpWatch(CompiledCodeRunsUnder):
             self.parts = OpWatch()
             self.parts._set(of_parts)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         tensors = _op_tensors(args, kwargs)
         keys = None if self.split is None else self.split(func, tensors)
@@ -161,8 +163,9 @@ class OpWatch(CompiledCodeRunsUnder):
             observer.after(token, out)
         return out
 
-    def _split(self, func: Any, keys: Any, args: tuple, kwargs: dict,
-               tensors: Sequence[Tensor]) -> Any:
+    def _split(
+        self, func: Any, keys: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]
+    ) -> Any:
         """Run a composite op apart, its parts shown to the observers that see parts: bool(t)
         is aten.is_nonzero, whose part aten._local_scalar_dense reads the host."""
         tokens: List[Tuple[Observer, Any]] = []

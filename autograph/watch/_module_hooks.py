@@ -25,6 +25,7 @@ capture (torch.compile guards on the global hooks, and warns of them). A hook di
 emptied or replaced without its handles (``m._forward_hooks.clear()``) is not seen (README,
 Limits).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -35,16 +36,24 @@ from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
 _GROUPS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_GLOBALS = ("_global_forward_pre_hooks", "_global_forward_hooks",
-            "_global_backward_pre_hooks", "_global_backward_hooks")
+_GLOBALS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
 
 Ids = Tuple[Tuple[int, ...], ...]
 _NONE: Ids = ((),) * len(_GROUPS)
 
 
 def _ids(module: torch.nn.Module) -> Ids:
-    if not (module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
-            or module._backward_hooks):
+    if not (
+        module._forward_pre_hooks
+        or module._forward_hooks
+        or module._backward_pre_hooks
+        or module._backward_hooks
+    ):
         return _NONE  # most modules: four truth tests, no tuples
     return tuple(tuple(getattr(module, group)) for group in _GROUPS)
 
@@ -69,8 +78,7 @@ class HookWatch:
                 continue
             ids = _ids(module)
             self.modules.append((ref, ids))
-            self.hooked += [(ref, group, len(held))
-                            for group, held in zip(_GROUPS, ids) if held]
+            self.hooked += [(ref, group, len(held)) for group, held in zip(_GROUPS, ids) if held]
         self.globals = _global_ids()
         # Dictionaries that held hooks at capture are compared on every replay.
         self.held = bool(self.hooked) or any(self.globals)
@@ -106,5 +114,6 @@ class HookWatch:
 
 
 def _changed(module: torch.nn.Module) -> str:
-    return f"the hooks of a {type(module).__name__} module it reaches (added or removed since " \
-           f"capture)"
+    return (
+        f"the hooks of a {type(module).__name__} module it reaches (added or removed since capture)"
+    )

@@ -8,6 +8,7 @@
 The watchers name the tensors they find with it and the keys label calls with it, so that a
 message and ``stats()`` speak of a tensor the same way.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,9 +18,18 @@ import torch
 Tensor = torch.Tensor
 
 DTYPE_NAMES = {
-    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
-    torch.uint8: "u8", torch.bool: "bool", torch.complex64: "c64", torch.complex128: "c128",
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
 }
 
 

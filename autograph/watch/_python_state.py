@@ -26,6 +26,7 @@ contents of objects that keep no ``__dict__`` or ``__slots__``. The walk is boun
 ``_reads.Survey`` is (depth and node budget): it is taken at a key's warmup and capture,
 never on a replay.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,19 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ._names import describe_tensor
-from ._python_values import (MAX_ITEMS, SEQUENCES, Summary, change, class_of, ignored, is_atom,
-                             same, show, summary, users_class)
+from ._python_values import (
+    MAX_ITEMS,
+    SEQUENCES,
+    Summary,
+    change,
+    class_of,
+    ignored,
+    is_atom,
+    same,
+    show,
+    summary,
+    users_class,
+)
 from ._reads import free_names
 
 Tensor = torch.Tensor
@@ -52,24 +64,36 @@ def _attributes(obj: Any) -> Optional[Dict[str, Any]]:
     """The attributes of ``obj`` that are state, by name; None for an object without any."""
     attributes = getattr(obj, "__dict__", None)
     if not isinstance(attributes, dict):
-        names = [name for cls in type(obj).__mro__
-                 for name in (getattr(cls, "__slots__", None) or ())
-                 if isinstance(name, str)]
+        names = [
+            name
+            for cls in type(obj).__mro__
+            for name in (getattr(cls, "__slots__", None) or ())
+            if isinstance(name, str)
+        ]
         if not names:
             return None
         attributes = {name: getattr(obj, name, _MISSING) for name in names}
     internals = _MODULE_INTERNALS if issubclass(class_of(obj), torch.nn.Module) else ()
-    return {name: value for name, value in list(attributes.items())
-            if value is not _MISSING and not name.startswith("__") and name not in internals
-            and name not in _MODULE_MEMBERS and "hook" not in name and not ignored(value)}
+    return {
+        name: value
+        for name, value in list(attributes.items())
+        if value is not _MISSING
+        and not name.startswith("__")
+        and name not in internals
+        and name not in _MODULE_MEMBERS
+        and "hook" not in name
+        and not ignored(value)
+    }
 
 
 def _class_attributes(cls: type) -> Dict[str, Any]:
     """The class-level values of one of the caller's classes that are state (a counter kept as
     ``type(self).n``): not its methods, properties or other descriptors."""
-    return {name: value for name, value in list(vars(cls).items())
-            if not name.startswith("__") and not hasattr(type(value), "__get__")
-            and not ignored(value)}
+    return {
+        name: value
+        for name, value in list(vars(cls).items())
+        if not name.startswith("__") and not hasattr(type(value), "__get__") and not ignored(value)
+    }
 
 
 class _Holder:
@@ -83,8 +107,9 @@ class _Holder:
     def restore(self) -> None:
         kind, target, before = self.kind, self.target, self.before
         if kind == "attributes":
-            now = (_class_attributes(target) if isinstance(target, type)
-                   else _attributes(target)) or {}
+            now = (
+                _class_attributes(target) if isinstance(target, type) else _attributes(target)
+            ) or {}
             if isinstance(getattr(target, "__dict__", None), dict):
                 namespace = target.__dict__
                 for name in now.keys() - before.keys():
@@ -99,8 +124,7 @@ class _Holder:
                     if now.get(name, _MISSING) is not value:
                         setattr(target, name, value)
         elif kind == "dict":
-            if target.keys() != before.keys() or any(
-                    target[k] is not v for k, v in before.items()):
+            if target.keys() != before.keys() or any(target[k] is not v for k, v in before.items()):
                 for k in target.keys() - before.keys():
                     del target[k]
                 for k, v in before.items():
@@ -129,8 +153,7 @@ class _Holder:
 class _Walk:
     """One walk of the state reachable from the roots: a summary per path."""
 
-    def __init__(self, roots: Sequence[Tuple[str, Any]], fn: Any, depth: int,
-                 restorable: bool):
+    def __init__(self, roots: Sequence[Tuple[str, Any]], fn: Any, depth: int, restorable: bool):
         self.summaries: Dict[str, Summary] = {}
         self.parents: Dict[str, Optional[str]] = {}
         self.names: Dict[int, str] = {}  # id of an object reached -> the first path to it
@@ -174,8 +197,9 @@ class _Walk:
     def _key_label(self, key: Any) -> str:
         if is_atom(key):
             return f"[{key!r}]"
-        self.key_labels.setdefault(id(key), describe_tensor(key) if isinstance(key, Tensor)
-                                   else f"a {type(key).__name__}")
+        self.key_labels.setdefault(
+            id(key), describe_tensor(key) if isinstance(key, Tensor) else f"a {type(key).__name__}"
+        )
         return f"[#{id(key)}]"
 
     def _visit(self, path: str, obj: Any, left: int, cls: type) -> None:
@@ -218,8 +242,12 @@ class _Walk:
                     self._hold("dict", group, None, dict(group))
                     for key, value in group.items():
                         label = f"[{key}]" if key.isdigit() else f".{key}"
-                        self._slot(path, path + label, value,
-                                   left if isinstance(value, torch.nn.Module) else left - 1)
+                        self._slot(
+                            path,
+                            path + label,
+                            value,
+                            left if isinstance(value, torch.nn.Module) else left - 1,
+                        )
         for name, value in attributes.items():
             self._slot(path, f"{path}.{name}", value, left - 1)
         self._visit_classes(path, cls, left)
@@ -244,16 +272,21 @@ class PythonState:
     >>> state.changes()                      # ['self.steps: 3 -> 4'], or []
     """
 
-    def __init__(self, roots: Sequence[Tuple[str, Any]], fn: Any, depth: int,
-                 restorable: bool):
+    def __init__(self, roots: Sequence[Tuple[str, Any]], fn: Any, depth: int, restorable: bool):
         self._roots = list(roots)
         self._fn = fn
         self._depth = depth
         self._before = _Walk(self._roots, fn, depth, restorable)
 
     @classmethod
-    def of(cls, roots: Sequence[Tuple[str, Any]], fn: Any = None, *, depth: int = 6,
-           restorable: bool = False) -> "PythonState":
+    def of(
+        cls,
+        roots: Sequence[Tuple[str, Any]],
+        fn: Any = None,
+        *,
+        depth: int = 6,
+        restorable: bool = False,
+    ) -> "PythonState":
         """The state now. ``restorable`` keeps every place's contents for ``restore()``: it
         holds what they hold (tensors too), so keep such a state only across the run it
         takes back; without it, nothing reachable is kept alive by the snapshot but the
@@ -307,6 +340,7 @@ class PythonState:
     @staticmethod
     def _readable(line: str, *walks: _Walk) -> str:
         """A dict key that is an object (a parameter in ``optimizer.state``) by its path."""
+
         def name(match: "re.Match[str]") -> str:
             key = int(match.group(1))
             for walk in walks:
@@ -316,14 +350,17 @@ class PythonState:
                 if key in walk.key_labels:
                     return f"[<{walk.key_labels[key]}>]"
             return "[<an object>]"
+
         return re.sub(r"\[#(\d+)\]", name, line)
 
     def restore(self) -> None:
         """Put back every attribute, dict entry, list item, closure cell and global the
         snapshot reached, as it was (only for a state taken with ``restorable=True``)."""
         if self._before.holders is None:
-            raise RuntimeError("PythonState.restore(): this state was taken without "
-                               "restorable=True, so it kept nothing to restore")
+            raise RuntimeError(
+                "PythonState.restore(): this state was taken without "
+                "restorable=True, so it kept nothing to restore"
+            )
         for holder in self._before.holders:
             holder.restore()
 
@@ -334,8 +371,9 @@ def per_call_reason(changes: Sequence[str]) -> str:
     >>> per_call_reason(["self.steps: 3 -> 4"])
     'it changes self.steps (3 -> 4) on every call, and a replay runs no Python ...'
     """
-    shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3
-                                      else "")
-    return (f"each call changes Python state that a replay would leave as it is ({shown}). "
-            f"A replay runs none of the function's Python. Keep such state in a tensor "
-            f"updated in place, or pass it as an argument")
+    shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+    return (
+        f"each call changes Python state that a replay would leave as it is ({shown}). "
+        f"A replay runs none of the function's Python. Keep such state in a tensor "
+        f"updated in place, or pass it as an argument"
+    )

@@ -10,6 +10,7 @@ and what is no state at all (functions, modules, loggers, weak caches).
 Shared by the survey of what a call changes (``_python_state``) and the check of what a
 replay reads (``_values_read``).
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,8 +27,21 @@ Tensor = torch.Tensor
 
 MAX_ITEMS = 256  # entries compared per dict or list; their key sets and lengths beyond
 
-ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device,
-         torch.layout, torch.memory_format, enum.Enum, range)
+ATOMS = (
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    enum.Enum,
+    range,
+)
 WEAK = (weakref.WeakKeyDictionary, weakref.WeakValueDictionary, weakref.WeakSet)
 SEQUENCES = (list, tuple, collections.deque)
 
@@ -71,8 +85,11 @@ def summary(value: Any, cls: type) -> Summary:
     if is_atom(value, cls=cls):
         return ("=", value)
     if issubclass(cls, SEQUENCES):
-        held = () if issubclass(cls, tuple) else tuple(
-            id(v) for v in list(value)[:MAX_ITEMS] if not is_atom(v))
+        held = (
+            ()
+            if issubclass(cls, tuple)
+            else tuple(id(v) for v in list(value)[:MAX_ITEMS] if not is_atom(v))
+        )
         return ("sequence", type(value), len(value), held)
     if issubclass(cls, dict) and len(value) > MAX_ITEMS:
         return ("object", type(value), len(value), hash(frozenset(value)))
@@ -97,11 +114,15 @@ def _both_nan(x: Any, y: Any) -> bool:
     """NaN is not equal to itself; a NaN that stays a NaN (real or complex part, or in a tuple
     made afresh) is no change."""
     if isinstance(x, tuple):
-        return isinstance(y, tuple) and len(x) == len(y) and \
-            all(a is b or a == b or _both_nan(a, b) for a, b in zip(x, y))
+        return (
+            isinstance(y, tuple)
+            and len(x) == len(y)
+            and all(a is b or a == b or _both_nan(a, b) for a, b in zip(x, y))
+        )
     if isinstance(x, complex):
-        return ((x.real == y.real or _both_nan(x.real, y.real))
-                and (x.imag == y.imag or _both_nan(x.imag, y.imag)))
+        return (x.real == y.real or _both_nan(x.real, y.real)) and (
+            x.imag == y.imag or _both_nan(x.imag, y.imag)
+        )
     return isinstance(x, float) and math.isnan(x) and math.isnan(y)
 
 
@@ -110,7 +131,9 @@ def change(path: str, old: Summary, new: Summary) -> str:
     if old[0] == new[0] and old[0] != "=" and old[1] is new[1]:
         if len(old) > 2 and len(new) > 2 and old[2] != new[2]:
             return f"{path}: length {old[2]} -> {new[2]}"
-        return f"{path}: {'its items were replaced' if old[0] == 'sequence' else 'its keys changed'}"
+        return (
+            f"{path}: {'its items were replaced' if old[0] == 'sequence' else 'its keys changed'}"
+        )
     return f"{path}: {show(old)} -> {show(new)}"
 
 
@@ -150,9 +173,28 @@ def users_class(cls: type) -> bool:
 
 
 _USERS_CLASS: Dict[type, bool] = {}
-_NOT_USERS = frozenset({"builtins", "functools", "_functools", "typing", "abc", "torch",
-                        "autograph", "operator", "collections", "weakref", "types"})
-_CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-         types.BuiltinMethodType, types.MethodWrapperType, types.WrapperDescriptorType,
-         type)
+_NOT_USERS = frozenset(
+    {
+        "builtins",
+        "functools",
+        "_functools",
+        "typing",
+        "abc",
+        "torch",
+        "autograph",
+        "operator",
+        "collections",
+        "weakref",
+        "types",
+    }
+)
+_CODE = (
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    types.BuiltinMethodType,
+    types.MethodWrapperType,
+    types.WrapperDescriptorType,
+    type,
+)
 _IGNORED_TYPES = (types.ModuleType, logging.Logger, logging.Manager) + WEAK

@@ -16,19 +16,19 @@ dies, so the check before a replay is one attribute read. Storages stay alive (a
 stay right) while anything still holds them; a tensor rebound while its old storage stays alive
 elsewhere is not seen (docs/guide/limits.md).
 """
+
 from __future__ import annotations
 
 import dis
 import functools
 import types
 import weakref
-from typing import (Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence,
-                    Set, Tuple)
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ._names import describe_tensor
 from ._modes import Observer, tensors_in
+from ._names import describe_tensor
 
 Tensor = torch.Tensor
 
@@ -45,10 +45,14 @@ _aten = torch.ops.aten
 # do not mark them as written (those of _native_batch_norm_legit and _batch_norm_with_update
 # do), by the name of the argument that says training. The composite ones reach a dispatch
 # mode whole under inference_mode, where nothing takes them apart (a warmup, verify's run).
-_UPDATES_RUNNING_STATS = {_aten.native_batch_norm: "training", _aten.cudnn_batch_norm: "training",
-                          _aten.miopen_batch_norm: "training", _aten.batch_norm: "training",
-                          _aten._batch_norm_impl_index: "training",
-                          _aten.instance_norm: "use_input_stats"}
+_UPDATES_RUNNING_STATS = {
+    _aten.native_batch_norm: "training",
+    _aten.cudnn_batch_norm: "training",
+    _aten.miopen_batch_norm: "training",
+    _aten.batch_norm: "training",
+    _aten._batch_norm_impl_index: "training",
+    _aten.instance_norm: "use_input_stats",
+}
 
 
 def written_tensors(func: Any, args: tuple, kwargs: dict) -> List[Tensor]:
@@ -80,10 +84,14 @@ _WRITES: Dict[Any, Tuple[Tuple[Place, ...], Optional[Place], Tuple[Place, ...]]]
 
 
 def _writes_of(func: Any) -> Tuple[Tuple[Place, ...], Optional[Place], Tuple[Place, ...]]:
-    places = {argument.name: (i, argument.name)
-              for i, argument in enumerate(func._schema.arguments)}
-    written = [places[argument.name] for argument in func._schema.arguments
-               if argument.alias_info is not None and argument.alias_info.is_write]
+    places = {
+        argument.name: (i, argument.name) for i, argument in enumerate(func._schema.arguments)
+    }
+    written = [
+        places[argument.name]
+        for argument in func._schema.arguments
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
     training, stats = None, ()
     flag = _UPDATES_RUNNING_STATS.get(func.overloadpacket)
     if flag is not None:
@@ -92,8 +100,11 @@ def _writes_of(func: Any) -> Tuple[Tuple[Place, ...], Optional[Place], Tuple[Pla
     if func.namespace == "c10d" and func._schema.name.endswith("_"):
         # torch.distributed's in-place collectives (allreduce_, allgather_, recv_...) write
         # their tensors, and their schemas do not say so.
-        written += [place for name, place in places.items()
-                    if name == "tensors" or name.startswith("output")]
+        written += [
+            place
+            for name, place in places.items()
+            if name == "tensors" or name.startswith("output")
+        ]
     facts = _WRITES[func] = (tuple(written), training, stats)
     return facts
 
@@ -125,8 +136,7 @@ class CallWatch(Observer):
 
     def written_arguments(self, tensors: Sequence[Tensor]) -> List[int]:
         """Indices of the arguments whose storage the run wrote to."""
-        return [i for i, t in enumerate(tensors)
-                if t.numel() and storage_ptr(t) in self.written]
+        return [i for i, t in enumerate(tensors) if t.numel() and storage_ptr(t) in self.written]
 
 
 def shares_written_memory(tensors: Sequence[Tensor], written: Sequence[int]) -> bool:
@@ -188,8 +198,9 @@ class Survey:
         for path, root in roots:
             self._visit(path, root, depth)
 
-    def _visit(self, path: str, obj: Any, left: int, slot: Optional[Tuple[Any, str, str]] = None
-               ) -> None:
+    def _visit(
+        self, path: str, obj: Any, left: int, slot: Optional[Tuple[Any, str, str]] = None
+    ) -> None:
         if self._budget <= 0 or id(obj) in self._seen:
             return
         self._budget -= 1
@@ -205,8 +216,9 @@ class Survey:
         if isinstance(obj, torch.Generator):
             self.generators.setdefault(obj._cdata, ReachedGenerator(obj, path, slot))
             return
-        if left == 0 or isinstance(obj, (str, bytes, int, float, type, type(None),
-                                         types.ModuleType)):
+        if left == 0 or isinstance(
+            obj, (str, bytes, int, float, type, type(None), types.ModuleType)
+        ):
             return
         self._seen.add(id(obj))
         if isinstance(obj, torch.nn.Module):
@@ -218,8 +230,10 @@ class Survey:
             # A module's own internals start with "_"; a private generator kept there
             # (self._generator) is state the call draws from, and is reached.
             children: Iterable[Tuple[str, Any, Any]] = (
-                (f"{path}.{k}", v, (obj, "__dict__", k)) for k, v in vars(obj).items()
-                if not k.startswith("_") or isinstance(v, torch.Generator))
+                (f"{path}.{k}", v, (obj, "__dict__", k))
+                for k, v in vars(obj).items()
+                if not k.startswith("_") or isinstance(v, torch.Generator)
+            )
         elif isinstance(obj, dict):
             children = ((f"{path}[{k!r}]", v, None) for k, v in list(obj.items())[:256])
         elif isinstance(obj, (list, tuple)):
@@ -228,8 +242,11 @@ class Survey:
             attributes = getattr(obj, "__dict__", None)
             if not isinstance(attributes, dict) or callable(obj):
                 return
-            children = ((f"{path}.{k}", v, (obj, "__dict__", k))
-                        for k, v in list(attributes.items()) if not k.startswith("__"))
+            children = (
+                (f"{path}.{k}", v, (obj, "__dict__", k))
+                for k, v in list(attributes.items())
+                if not k.startswith("__")
+            )
         for child_path, child, slot in children:
             self._visit(child_path, child, left - 1, slot)
 
@@ -248,11 +265,18 @@ class Survey:
 
     def name(self, tensor: Tensor) -> str:
         return self.names.get(storage_ptr(tensor)) or (
-            f"a {describe_tensor(tensor)} tensor that is not an argument")
+            f"a {describe_tensor(tensor)} tensor that is not an argument"
+        )
 
 
-def roots_of(fn: Any, instance: Any, names: Sequence[str], args: tuple, kwargs: dict,
-             instance_label: str = "self") -> List[Tuple[str, Any]]:
+def roots_of(
+    fn: Any,
+    instance: Any,
+    names: Sequence[str],
+    args: tuple,
+    kwargs: dict,
+    instance_label: str = "self",
+) -> List[Tuple[str, Any]]:
     """Where the tensors a function reads may come from: its instance, its arguments, its
     default parameter values, its closure and the globals its code names.
 
@@ -275,8 +299,8 @@ def roots_of(fn: Any, instance: Any, names: Sequence[str], args: tuple, kwargs: 
         # A default value is bound at definition and read by address like a global: a
         # ``weight=weight`` parameter's .grad is set by the graph's backward.
         defaults = getattr(function, "__defaults__", None) or ()
-        positional = code.co_varnames[:code.co_argcount]
-        roots.extend(zip(positional[len(positional) - len(defaults):], defaults))
+        positional = code.co_varnames[: code.co_argcount]
+        roots.extend(zip(positional[len(positional) - len(defaults) :], defaults))
         roots.extend((getattr(function, "__kwdefaults__", None) or {}).items())
     for name, place, key in free_names(fn):
         try:
@@ -314,8 +338,11 @@ def _global_names(code: types.CodeType) -> Tuple[str, ...]:
     """The names ``code`` and the code nested in it (a comprehension's, a lambda's) read or
     bind as globals, in order (``co_names`` also holds attribute names: ``self.weight`` is no
     global ``weight``)."""
-    names = [instruction.argval for instruction in dis.get_instructions(code)
-             if instruction.opname in _GLOBAL_OPS]
+    names = [
+        instruction.argval
+        for instruction in dis.get_instructions(code)
+        if instruction.opname in _GLOBAL_OPS
+    ]
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             names.extend(_global_names(constant))
@@ -335,17 +362,28 @@ class ReadWatch:
     torch.Generator(...)`` again) leaves the graph drawing from the old one, which it holds.
     Generators take weak references from torch 2.12 on; before, a rebound one goes unseen."""
 
-    def __init__(self, graph: Any, external: Dict[int, Tensor], survey: Survey,
-                 drawn: Sequence[torch.Generator] = ()):
+    def __init__(
+        self,
+        graph: Any,
+        external: Dict[int, Tensor],
+        survey: Survey,
+        drawn: Sequence[torch.Generator] = (),
+    ):
         graph_ref = weakref.ref(graph)
         self.refs: List[Any] = [
-            weakref.ref(tensor.untyped_storage(),
-                        functools.partial(_mark_invalid, graph_ref, survey.name(tensor)))
-            for tensor in external.values()]
+            weakref.ref(
+                tensor.untyped_storage(),
+                functools.partial(_mark_invalid, graph_ref, survey.name(tensor)),
+            )
+            for tensor in external.values()
+        ]
         for reached in filter(None, (survey.generators.get(g._cdata) for g in drawn)):
             try:
-                self.refs.append(weakref.ref(
-                    reached.generator, functools.partial(_mark_invalid, graph_ref, reached.path)))
+                self.refs.append(
+                    weakref.ref(
+                        reached.generator, functools.partial(_mark_invalid, graph_ref, reached.path)
+                    )
+                )
             except TypeError:  # torch < 2.12 (pytorch#180290): unseen, docs/guide/limits.md
                 break
 
@@ -389,8 +427,10 @@ class GradSlots:
             grad = tensor.grad
             if expect is None:
                 if grad is not None:
-                    return (f"{path}.grad, which the graph expects to be None (as at capture) "
-                            f"and found set")
+                    return (
+                        f"{path}.grad, which the graph expects to be None (as at capture) "
+                        f"and found set"
+                    )
             elif expect is not _ANY and grad is not expect():
                 return f"{path}.grad, which was {'set to None' if grad is None else 'replaced'}"
         return None

@@ -27,6 +27,7 @@ A 0-dim CPU tensor handed to a device op (``x * torch.tensor(n)`` on CUDA) is ba
 capture too, and is read as a number; on the CPU emulation every tensor is a CPU tensor, so
 there such tensors are data and not read.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,8 +60,13 @@ def _number(value: Any, kind: str, on_device: bool) -> Optional[Any]:
         return None
     if isinstance(value, (int, float, complex)) and kind in (*_NUMBER_KINDS, "TensorType"):
         return value
-    if on_device and kind == "TensorType" and isinstance(value, Tensor) and value.dim() == 0 \
-            and value.device.type == "cpu":
+    if (
+        on_device
+        and kind == "TensorType"
+        and isinstance(value, Tensor)
+        and value.dim() == 0
+        and value.device.type == "cpu"
+    ):
         # Read with dispatch off: the modes around (the guard, the recorder) must not see it.
         with torch._C._DisableTorchDispatch():
             return value.item()
@@ -97,9 +103,11 @@ _NUMBER_PLACES: Dict[Any, Tuple[Tuple[int, str, str], ...]] = {}
 def _number_places(func: Any) -> Tuple[Tuple[int, str, str], ...]:
     places: Tuple[Tuple[int, str, str], ...] = ()
     if func.overloadpacket.__name__ not in _LENGTH_OPS:
-        places = tuple((i, argument.name, _kind(argument))
-                       for i, argument in enumerate(func._schema.arguments)
-                       if _kind(argument) in (*_NUMBER_KINDS, "TensorType"))
+        places = tuple(
+            (i, argument.name, _kind(argument))
+            for i, argument in enumerate(func._schema.arguments)
+            if _kind(argument) in (*_NUMBER_KINDS, "TensorType")
+        )
     _NUMBER_PLACES[func] = places
     return places
 
@@ -123,8 +131,9 @@ class NumbersOf(Observer):
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a == b or (isinstance(a, float) and isinstance(b, float)
-                      and math.isnan(a) and math.isnan(b))
+    return a == b or (
+        isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    )
 
 
 def _first_change(a: Numbers, b: Numbers) -> Optional[Tuple[Any, str, Any, Any]]:
@@ -145,11 +154,16 @@ def size_read(numbers: Dict[int, Numbers], size: int) -> Optional[str]:
         if change is None:
             continue
         op, name, x, y = change
-        read = ("the batch size read in Python (x.shape[0])" if (x, y) == (other, size) else
-                "computed in Python from the batch size, or from other Python state")
-        return (f"{op} is passed the Python number {x!r} at {other} rows and {y!r} at {size} "
-                f"rows (argument {name}): it is {read}, and a bucket's graph would replay the "
-                f"bucket's number for calls of fewer rows. Pass it as a tensor argument "
-                f"(torch.tensor(n, device=x.device), made outside the function), or leave "
-                f"this function out of buckets=")
+        read = (
+            "the batch size read in Python (x.shape[0])"
+            if (x, y) == (other, size)
+            else "computed in Python from the batch size, or from other Python state"
+        )
+        return (
+            f"{op} is passed the Python number {x!r} at {other} rows and {y!r} at {size} "
+            f"rows (argument {name}): it is {read}, and a bucket's graph would replay the "
+            f"bucket's number for calls of fewer rows. Pass it as a tensor argument "
+            f"(torch.tensor(n, device=x.device), made outside the function), or leave "
+            f"this function out of buckets="
+        )
     return None

@@ -27,6 +27,7 @@ a buffer) rebound while the old one stays alive, and a buffer's ``.data`` assign
 old memory stays alive; any graph misses memory swapped by ``p.set_(other)`` or
 ``torch.utils.swap_tensors`` while the old stays alive (docs/guide/limits.md).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -62,15 +63,20 @@ class Registrations:
     @classmethod
     def add_watch(cls) -> None:
         if cls._watches == 0:
-            cls._handles = [register(cls._bump) for register in (
-                _module.register_module_parameter_registration_hook,
-                _module.register_module_buffer_registration_hook,
-                _module.register_module_module_registration_hook)]
+            cls._handles = [
+                register(cls._bump)
+                for register in (
+                    _module.register_module_parameter_registration_hook,
+                    _module.register_module_buffer_registration_hook,
+                    _module.register_module_module_registration_hook,
+                )
+            ]
             # torch has no hook for the setter: a parameter's ``.data`` is a Python property
             # over the C one while a watch lives (Dynamo traces ``.data`` by name, not by
             # this; plain tensors, and subclasses with a ``__torch_function__``, keep theirs).
             torch.nn.Parameter.data = property(  # type: ignore[method-assign]
-                _tensor_data.__get__, _set_data, doc=_tensor_data.__doc__)
+                _tensor_data.__get__, _set_data, doc=_tensor_data.__doc__
+            )
         cls._watches += 1
 
     @classmethod
@@ -100,8 +106,9 @@ class SlotWatch:
                 owner_ref = weakref.ref(owner)
             except TypeError:  # an object without weak references: the freed watch only
                 continue
-            self.slots.append((owner_ref, group, key, weakref.ref(tensor), tensor.data_ptr(),
-                               survey.names[ptr]))
+            self.slots.append(
+                (owner_ref, group, key, weakref.ref(tensor), tensor.data_ptr(), survey.names[ptr])
+            )
         self.seen = Registrations.count
         if self.slots:
             Registrations.add_watch()

@@ -11,6 +11,7 @@ statistics) has its whole storage saved before the first write; the CPU and CUDA
 generators have their state saved. Python-side effects (a counter in the function) are not
 taken back.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Set, Tuple
@@ -41,15 +42,15 @@ class UndoWrites(Observer):
         self.created: Set[int] = set()
         self.generators = _generator_states()
 
-    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]
-               ) -> Set[int]:
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> Set[int]:
         for value in (*args, *kwargs.values()):
             # A private generator (torch.rand(..., generator=g)) is state the call advances,
             # like the default ones: saved before its first draw. An op is handed its own
             # Python object for a generator (the default one too, passed explicitly): told
             # apart by the generator's identity, or a later state would be saved over it.
-            if type(value) is torch.Generator and \
-                    all(value._cdata != g._cdata for g, _ in self.generators):
+            if type(value) is torch.Generator and all(
+                value._cdata != g._cdata for g, _ in self.generators
+            ):
                 self.generators.append((value, value.get_state()))
         for tensor in written_tensors(func, args, kwargs):
             storage = tensor.untyped_storage()
@@ -64,7 +65,7 @@ class UndoWrites(Observer):
         return {t.untyped_storage()._cdata for t in tensors if t.layout is torch.strided}
 
     def after(self, inputs: Set[int], out: Any) -> None:
-        for t in (out if isinstance(out, (list, tuple)) else (out,)):
+        for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, Tensor) and t.layout is torch.strided:
                 key = t.untyped_storage()._cdata
                 if key not in inputs:

@@ -7,6 +7,7 @@ mode asks, ``_guard``), and the facts about an op that the judgement needs.
 An op's schema, tags and kernel registrations are read once per op (``traits_of``): a watched
 run asks for every op it makes, and reading them each time was most of the guard's own cost.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,33 +34,58 @@ _DATA_DEPENDENT_NAMES = {
 }
 # A graph replays GPU work only: CPU results, and CPU values passed to GPU kernels, are
 # frozen at capture. Making a constant (torch.tensor([...])) is not computing.
-_CPU_CONSTANT_OPS = (_aten.lift_fresh, _aten.lift, _aten.lift_fresh_copy, _aten.detach,
-                     _aten.clone, _aten.empty_like, _aten.zeros_like, _aten.ones_like)
+_CPU_CONSTANT_OPS = (
+    _aten.lift_fresh,
+    _aten.lift,
+    _aten.lift_fresh_copy,
+    _aten.detach,
+    _aten.clone,
+    _aten.empty_like,
+    _aten.zeros_like,
+    _aten.ones_like,
+)
 CPU_OPERATION = "computing with a CPU tensor"
-CPU_CONSEQUENCE = ("runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes "
-                    "at capture: make the tensor on the GPU (device=...), or pass it as an "
-                    "argument")
+CPU_CONSEQUENCE = (
+    "runs on the CPU, or feeds a CPU value to the GPU, which a graph freezes "
+    "at capture: make the tensor on the GPU (device=...), or pass it as an "
+    "argument"
+)
 
 # Indexing is capturable with integer indices; a boolean mask becomes nonzero() inside.
-_INDEX_OPS = {"index": "index", "index_put": "index_put", "index_put_": "index_put",
-              "_index_put_impl_": "index_put", "_unsafe_index_put": "index_put"}
-_SHAPE_CONSEQUENCE = ("returns a shape that depends on the data, which needs the host to wait: "
-                      "use a fixed-shape form (torch.where(mask, x, 0) or x * mask instead of "
-                      "x[mask]), or run it outside the graphed function")
-
+_INDEX_OPS = {
+    "index": "index",
+    "index_put": "index_put",
+    "index_put_": "index_put",
+    "_index_put_impl_": "index_put",
+    "_unsafe_index_put": "index_put",
+}
+_SHAPE_CONSEQUENCE = (
+    "returns a shape that depends on the data, which needs the host to wait: "
+    "use a fixed-shape form (torch.where(mask, x, 0) or x * mask instead of "
+    "x[mask]), or run it outside the graphed function"
+)
 
 
 def is_view(func: Any) -> bool:
     """Whether an ATen op returns an alias of an input (``OpOverload.is_view`` is newer)."""
-    return any(r.alias_info is not None and not r.alias_info.is_write
-               for r in func._schema.returns)
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
 # Op names whose CUDA kernels may come from cuDNN; composite ones by their own names too (under
 # inference_mode a warmup sees them whole): instance_norm is a batch norm inside, grid_sampler,
 # affine_grid and ctc_loss have cuDNN parts.
-_CUDNN_OPS = ("conv", "cudnn", "batch_norm", "rnn", "lstm", "gru", "instance_norm",
-              "grid_sampler", "affine_grid", "ctc_loss")
+_CUDNN_OPS = (
+    "conv",
+    "cudnn",
+    "batch_norm",
+    "rnn",
+    "lstm",
+    "gru",
+    "instance_norm",
+    "grid_sampler",
+    "affine_grid",
+    "ctc_loss",
+)
 _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 # Composite ops whose parts, for any arguments, are views and arithmetic on the arguments'
 # own device: judged whole, what their parts would show (a CPU tensor computed on) shows on
@@ -67,8 +93,12 @@ _COMPOSITE = torch._C.DispatchKey.CompositeImplicitAutograd
 # inference_mode, each taken apart at a cost (docs/design.md, "The guard"). Not ``to`` in
 # general (to a device copies between devices), nor ``type_as`` (to another tensor's device);
 # and not with a CPU tensor while graphing another device (``judged_apart``).
-_WHOLE_COMPOSITES = (_aten.reshape.default, _aten.linear.default, _aten.matmul.default,
-                     _aten.to.dtype)
+_WHOLE_COMPOSITES = (
+    _aten.reshape.default,
+    _aten.linear.default,
+    _aten.matmul.default,
+    _aten.to.dtype,
+)
 
 
 class _Traits(NamedTuple):
@@ -97,19 +127,22 @@ def traits_of(func: Any) -> _Traits:
         host_read=torch.Tag.data_dependent_output in tags,
         copy=packet if packet in (_aten._to_copy, _aten.copy_, _aten._copy_from) else None,
         cpu_checked=not is_view(func) and packet not in _CPU_CONSTANT_OPS,
-        index=_INDEX_OPS.get(name), dynamic_shape=torch.Tag.dynamic_output_shape in tags,
-        name=name, cudnn=any(part in func.__name__ for part in _CUDNN_OPS),
+        index=_INDEX_OPS.get(name),
+        dynamic_shape=torch.Tag.dynamic_output_shape in tags,
+        name=name,
+        cudnn=any(part in func.__name__ for part in _CUDNN_OPS),
         composite=torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), _COMPOSITE),
-        judged_whole=func in _WHOLE_COMPOSITES)
+        judged_whole=func in _WHOLE_COMPOSITES,
+    )
     return traits
 
 
-def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
-               ) -> Optional[Tuple[str, str]]:
+def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str) -> Optional[Tuple[str, str]]:
     """(operation, consequence) when ``func`` cannot be captured on ``device_type``."""
     traits = TRAITS.get(func) or traits_of(func)
-    on_device = (traits.host_read or traits.index is not None or traits.dynamic_shape) and \
-        any(t.device.type == device_type for t in tensors_in(args))
+    on_device = (traits.host_read or traits.index is not None or traits.dynamic_shape) and any(
+        t.device.type == device_type for t in tensors_in(args)
+    )
     if traits.host_read and on_device:
         return "host read", _SYNC_CONSEQUENCE
     packet = traits.copy
@@ -121,15 +154,26 @@ def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str
             if packet is _aten._copy_from:
                 dst_type = args[1].device.type
         if src.device.type == device_type and dst_type == "cpu" != device_type:
-            return (".cpu() / .tolist() / .to('cpu')",
-                    "copies GPU data to the host, which synchronises")
-        if (src.device.type == "cpu" and dst_type == device_type != "cpu"
-                and src.numel() > 0 and not src.is_pinned()):
-            return ("a copy from pageable host memory to the GPU",
-                    "cannot be captured: create the tensor on the GPU or pin it")
+            return (
+                ".cpu() / .tolist() / .to('cpu')",
+                "copies GPU data to the host, which synchronises",
+            )
+        if (
+            src.device.type == "cpu"
+            and dst_type == device_type != "cpu"
+            and src.numel() > 0
+            and not src.is_pinned()
+        ):
+            return (
+                "a copy from pageable host memory to the GPU",
+                "cannot be captured: create the tensor on the GPU or pin it",
+            )
         return None
-    if device_type != "cpu" and traits.cpu_checked and any(
-            t.device.type == "cpu" for t in tensors_in(args)):
+    if (
+        device_type != "cpu"
+        and traits.cpu_checked
+        and any(t.device.type == "cpu" for t in tensors_in(args))
+    ):
         if traits.index == "index_put":
             return _number_assigned(args, kwargs) or (CPU_OPERATION, CPU_CONSEQUENCE)
         return CPU_OPERATION, CPU_CONSEQUENCE
@@ -156,17 +200,27 @@ def _number_assigned(args: tuple, kwargs: dict) -> Optional[Tuple[str, str]]:
     value = args[2] if len(args) > 2 else kwargs.get("values")
     accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
     if accumulate or not (
-            isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0
-            and isinstance(target, torch.Tensor) and target.device.type != "cpu"
-            and all(i is None or i.device.type != "cpu" for i in indices)):
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.dim() == 0
+        and isinstance(target, torch.Tensor)
+        and target.device.type != "cpu"
+        and all(i is None or i.device.type != "cpu" for i in indices)
+    ):
         return None
     if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
-        return ("x[mask] = number", "passes the number as a CPU tensor, whose value a graph "
-                "freezes at capture: write x.masked_fill_(mask, number) with a bool mask of "
-                "x's shape (a mask over x's leading dims as mask[..., None])")
-    return ("x[index] = number", "copies the number from the host to the GPU, which a CUDA "
-            "graph cannot capture: write x.index_fill_(dim, index, number), or "
-            "x[index] = x.new_full((), number)")
+        return (
+            "x[mask] = number",
+            "passes the number as a CPU tensor, whose value a graph "
+            "freezes at capture: write x.masked_fill_(mask, number) with a bool mask of "
+            "x's shape (a mask over x's leading dims as mask[..., None])",
+        )
+    return (
+        "x[index] = number",
+        "copies the number from the host to the GPU, which a CUDA "
+        "graph cannot capture: write x.index_fill_(dim, index, number), or "
+        "x[index] = x.new_full((), number)",
+    )
 
 
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
@@ -196,13 +250,13 @@ def composite_keys(func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
     return below
 
 
-def judged_apart(func: Any, tensors: Sequence[torch.Tensor], device_type: str
-                 ) -> Optional[Any]:
+def judged_apart(func: Any, tensors: Sequence[torch.Tensor], device_type: str) -> Optional[Any]:
     """``composite_keys`` for the guard graphing ``device_type``, which judges
     ``_WHOLE_COMPOSITES`` whole (None) unless one of their tensors is a CPU tensor while it
     graphs another device: a reshape that copies a CPU tensor computes, and its schema says
     only that its result may alias (a view is no CPU work)."""
-    if (TRAITS.get(func) or traits_of(func)).judged_whole and \
-            (device_type == "cpu" or not any(t.is_cpu for t in tensors)):
+    if (TRAITS.get(func) or traits_of(func)).judged_whole and (
+        device_type == "cpu" or not any(t.is_cpu for t in tensors)
+    ):
         return None
     return composite_keys(func, tensors)

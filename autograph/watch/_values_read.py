@@ -23,6 +23,7 @@ attribute a caller flips between calls is a documented limit, README, that ``ver
 catches), the contents of a container the caller rebinds (the one the capture saw is read),
 and places past ``MAX_PLACES``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -53,16 +54,16 @@ class ValuesRead:
         self._expected = [read() for read in readers]
 
     @classmethod
-    def of(cls, names: Sequence[str], args: tuple, kwargs: dict, fn: Any
-           ) -> Optional["ValuesRead"]:
+    def of(cls, names: Sequence[str], args: tuple, kwargs: dict, fn: Any) -> Optional["ValuesRead"]:
         """The places that hold atoms reachable from a call's arguments (past the containers
         its key holds by value: they are new on every call) and from ``fn``'s default values,
         globals and cells; None where there is none (nothing to check)."""
         places = _Places()
         for name, place, key in free_names(fn):
             places.add_free(name, place, key)
-        arguments = [(names[i] if i < len(names) else f"args[{i}]", a)
-                     for i, a in enumerate(args)] + list(kwargs.items())
+        arguments = [
+            (names[i] if i < len(names) else f"args[{i}]", a) for i, a in enumerate(args)
+        ] + list(kwargs.items())
         for name, root in arguments:
             places.walk(name, root, _DEPTH, keyed=True)
         for name, root in roots_of(fn, None, (), (), {}):
@@ -109,8 +110,10 @@ class _Places:
 
     def _add_items(self, namespace: Any, keys: List[Any], label: Callable[[Any], str]) -> None:
         if keys:
-            self._add(functools.partial(operator.itemgetter(*keys), namespace),
-                      tuple(label(k) for k in keys))
+            self._add(
+                functools.partial(operator.itemgetter(*keys), namespace),
+                tuple(label(k) for k in keys),
+            )
 
     def _add_table(self, obj: Any, path: str, items: List[Tuple[Any, Any]]) -> None:
         """The length of a table of atoms (``is_updated``, a list of flags), read as its
@@ -141,40 +144,54 @@ class _Places:
             path, obj, left, keyed = queue.popleft()
             queue.extend(self._visit(path, obj, left, keyed))
 
-    def _visit(self, path: str, obj: Any, left: int, keyed: bool
-               ) -> List[Tuple[str, Any, int, bool]]:
+    def _visit(
+        self, path: str, obj: Any, left: int, keyed: bool
+    ) -> List[Tuple[str, Any, int, bool]]:
         """Add ``obj``'s places; its children to walk."""
         cls = class_of(obj)
-        if left <= 0 or id(obj) in self._seen or is_atom(obj, cls=cls) \
-                or issubclass(cls, (torch.Tensor, torch.nn.Module)) or ignored(obj, cls):
+        if (
+            left <= 0
+            or id(obj) in self._seen
+            or is_atom(obj, cls=cls)
+            or issubclass(cls, (torch.Tensor, torch.nn.Module))
+            or ignored(obj, cls)
+        ):
             return []
         self._seen.add(id(obj))
         if issubclass(cls, dict):
             items = list(obj.items())[:MAX_ITEMS]
             if not keyed:
                 self._add_table(obj, path, items)
-                self._add_items(obj, [k for k, v in items if is_atom(v)],
-                                lambda k: f"{path}[{k!r}]")
+                self._add_items(
+                    obj, [k for k, v in items if is_atom(v)], lambda k: f"{path}[{k!r}]"
+                )
             return [(f"{path}[{k!r}]", v, left - 1, keyed) for k, v in items]
         if issubclass(cls, SEQUENCES):
             items = list(obj)[:MAX_ITEMS]
             if not keyed and not issubclass(cls, tuple):
                 self._add_table(obj, path, list(enumerate(items)))
-                self._add_items(obj, [i for i, v in enumerate(items) if is_atom(v)],
-                                lambda i: f"{path}[{i}]")
+                self._add_items(
+                    obj, [i for i, v in enumerate(items) if is_atom(v)], lambda i: f"{path}[{i}]"
+                )
             return [(f"{path}[{i}]", v, left - 1, keyed) for i, v in enumerate(items)]
         if keyed and dataclasses.is_dataclass(obj):
-            return [(f"{path}.{f.name}", getattr(obj, f.name), left - 1, keyed)
-                    for f in dataclasses.fields(obj)]
+            return [
+                (f"{path}.{f.name}", getattr(obj, f.name), left - 1, keyed)
+                for f in dataclasses.fields(obj)
+            ]
         namespace = getattr(obj, "__dict__", None)
         if not isinstance(namespace, dict):
             return []  # no attributes, or __slots__ only: not read (README, Limits)
         attributes = _state_attributes(namespace)
-        self._add_items(namespace, [k for k, v in attributes.items() if is_atom(v)],
-                        lambda k: f"{path}.{k}")
+        self._add_items(
+            namespace, [k for k, v in attributes.items() if is_atom(v)], lambda k: f"{path}.{k}"
+        )
         return [(f"{path}.{k}", v, left - 1, False) for k, v in attributes.items()]
 
 
 def _state_attributes(namespace: Dict[str, Any]) -> Dict[str, Any]:
-    return {name: value for name, value in list(namespace.items())
-            if not name.startswith("__") and "hook" not in name}
+    return {
+        name: value
+        for name, value in list(namespace.items())
+        if not name.startswith("__") and "hook" not in name
+    }

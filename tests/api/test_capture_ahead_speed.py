@@ -1,5 +1,6 @@
 """A faster ``capture()`` (issue 38): no garbage collection between its captures, Python's
 collector frozen during it, and later buckets of one family warmed up unwatched."""
+
 import gc
 
 import torch
@@ -17,6 +18,7 @@ def _noting_the_collector(monkeypatch):
     def noted(life, c):
         seen.append((gc.isenabled(), gc.get_freeze_count()))
         return original(life, c)
+
     monkeypatch.setattr(KeyLife, "agreed_record", noted)
     return seen
 
@@ -45,14 +47,14 @@ def test_what_the_process_froze_itself_stays_frozen(emulated, monkeypatch):
     assert len(seen) == 2 and all(not enabled for enabled, _ in seen)
 
 
-def test_later_buckets_of_a_family_warm_up_unwatched_and_still_probe_right(emulated,
-                                                                          monkeypatch):
+def test_later_buckets_of_a_family_warm_up_unwatched_and_still_probe_right(emulated, monkeypatch):
     watched = []
     original = KeyLife.watched_warmup
 
     def counted(life, c):
         watched.append(life.bucket)
         return original(life, c)
+
     monkeypatch.setattr(KeyLife, "watched_warmup", counted)
 
     # per-bucket state written by address: the probe of a first padded replay must save and
@@ -72,5 +74,5 @@ def test_later_buckets_of_a_family_warm_up_unwatched_and_still_probe_right(emula
     out = fn(x, caches[4])
     assert torch.allclose(out, x * 3)  # cache was zero: cache + x, then x * 2 + cache
     assert torch.allclose(caches[4][:3], x) and torch.equal(caches[4][3:], torch.zeros(1, 3))
-    four, = [r for r in fn.stats() if r.bucket == 4]
+    (four,) = [r for r in fn.stats() if r.bucket == 4]
     assert (four.state, four.calls, four.replays) == ("graphed", 1, 1)  # its first call replays

@@ -1,9 +1,12 @@
 """capture() ahead of a training step with an optimizer (SGD with momentum, Adam) leaves the
 optimizer state as before.
 """
+
 import copy
+
 import pytest
 import torch
+
 import autograph
 
 pytestmark = pytest.mark.usefixtures("caught")

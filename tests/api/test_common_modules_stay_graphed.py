@@ -1,10 +1,14 @@
 """Common modules stay graphed and equal eager: Sequential with LayerNorm and dropout, BatchNorm in
 eval and train, LSTM, an HF forward in a region, a TransformerEncoderLayer, a train/eval switch.
 """
+
 import copy
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -12,18 +16,29 @@ pytestmark = pytest.mark.usefixtures("caught")
 
 def _tiny_bert(device):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=64,
-                                  max_position_embeddings=32)
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     return transformers.BertModel(cfg).to(device).eval()
 
 
 def _tiny_llama(device):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1,
-                                   intermediate_size=64, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).to(device).eval()
 
@@ -31,8 +46,12 @@ def _tiny_llama(device):
 @pytest.mark.parametrize("train", [True, False])
 def test_sequential_with_layernorm_dropout_stays_graphed(device, train):
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
-                            torch.nn.Dropout(0.0 if train else 0.5), torch.nn.Linear(8, 4)).to(device)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 8),
+        torch.nn.LayerNorm(8),
+        torch.nn.Dropout(0.0 if train else 0.5),
+        torch.nn.Linear(8, 4),
+    ).to(device)
     m.train(train)
     ref = copy.deepcopy(m)
     xs = [torch.randn(3, 8, device=device) for _ in range(5)]

@@ -1,5 +1,6 @@
 """torch.compile and autograph, in either order (CPU: the emulation and Dynamo backends
 whose ops go through the dispatcher; the CUDA tests also use Inductor)."""
+
 import pytest
 import torch
 import torch._dynamo
@@ -8,6 +9,7 @@ from torch._dynamo.utils import counters
 
 import autograph
 from autograph.backends._cpu_graphs import CpuGraphs
+
 from conftest import requires_cuda
 from helpers.torch_versions import compiles_per_mode_stack
 
@@ -25,12 +27,16 @@ class CountingBackend:
 
     def __call__(self, gm, example_inputs):
         self.compiles += 1
-        compiled = gm.forward if self.inner == "eager" else \
-            torch._dynamo.backends.registry.lookup_backend(self.inner)(gm, example_inputs)
+        compiled = (
+            gm.forward
+            if self.inner == "eager"
+            else torch._dynamo.backends.registry.lookup_backend(self.inner)(gm, example_inputs)
+        )
 
         def run(*args):
             self.runs += 1
             return compiled(*args)
+
         return run
 
 
@@ -53,8 +59,7 @@ def _calls(fn, reference, device, n=5, mode=torch.no_grad):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_graphed_compiled_function_compiles_and_captures_the_compiled_code(
-        device, backend, mode):
+def test_graphed_compiled_function_compiles_and_captures_the_compiled_code(device, backend, mode):
     counting = CountingBackend(backend)
     compiled = torch.compile(step, backend=counting)
     graphed = autograph.graphed(compiled)
@@ -89,6 +94,7 @@ def test_emulated_capture_records_the_compiled_graphs_ops(emulated, monkeypatch)
         result = capture(self, run, *args, **kwargs)
         recorded.append([op.func.overloadpacket.__name__ for op in result.graph.ops])
         return result
+
     monkeypatch.setattr(CpuGraphs, "capture", recording)
     _calls(autograph.graphed(torch.compile(step, backend="aot_eager")), step, "cpu")
     # AOTAutograd's functional graph: out-of-place add, then copy_ into the argument.
@@ -122,8 +128,9 @@ def test_graphed_module_inside_compiled_model_fullgraph(device):
     with torch.no_grad():
         for _ in range(4):
             x = torch.randn(2, 16, device=device)
-            expected = model.head(torch.relu(torch.nn.functional.linear(
-                x, model.block.weight, model.block.bias)))
+            expected = model.head(
+                torch.relu(torch.nn.functional.linear(x, model.block.weight, model.block.bias))
+            )
             torch.testing.assert_close(compiled(x), expected)
     assert counter.frame_count == 1
 
@@ -146,12 +153,14 @@ def test_item_in_compiled_function_falls_back_with_the_users_line(device, caught
 @pytest.mark.cuda
 def test_graphed_inductor_function_captures_triton_kernels():
     from torch._inductor.runtime import triton_heuristics
+
     launches = []
     run = triton_heuristics.CachingAutotuner.run
 
     def counting(self, *args, **kwargs):
         launches.append(torch.cuda.is_current_stream_capturing())
         return run(self, *args, **kwargs)
+
     triton_heuristics.CachingAutotuner.run = counting
     try:
         graphed = autograph.graphed(torch.compile(step))

@@ -1,7 +1,8 @@
-"""torch.compile and autograph stack in either order with eager's results.
-"""
+"""torch.compile and autograph stack in either order with eager's results."""
+
 import pytest
 import torch
+
 import autograph
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -26,4 +27,6 @@ def test_graphed_of_compile(device):
         x = torch.randn(3, 5, device=device)
         torch.testing.assert_close(g(x, w), _fn(x, w), rtol=1e-6, atol=1e-6)
     rows = autograph.stats(g)
-    assert rows and (rows[0].state == "graphed" and rows[0].replays >= 2 or rows[0].fallback_reason), rows
+    assert rows and (
+        rows[0].state == "graphed" and rows[0].replays >= 2 or rows[0].fallback_reason
+    ), rows

@@ -1,10 +1,14 @@
 """copy.deepcopy of a graphed module or function in the middle of its life gives an independent one
 that graphs again.
 """
+
 import copy
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 from helpers.models import gelu_mlp
 

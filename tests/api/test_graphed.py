@@ -5,6 +5,7 @@ The emulation replays recorded ATen ops without re-running Python, with fixed ad
 CUDA graph; so even without a GPU these tests exercise the real keys, phases, copies and
 fallbacks.
 """
+
 import collections
 import dataclasses
 import gc
@@ -18,6 +19,7 @@ import torch
 import autograph
 from autograph import _config
 from autograph.watch._guard import host_read_fix
+
 from conftest import autograph_warnings, device_label, is_label_of, python_run_log, states
 
 
@@ -58,8 +60,12 @@ def test_each_call_runs_the_work_exactly_once_in_every_phase(device):
         phases.append(states(bump))
     # two warmups, the capture (replayed once for its result), then four replays: the
     # replays did the work without running Python
-    assert phases == [[("warmup", 1, 1, 0)], [("warmup", 2, 2, 0)], [("graphed", 3, 2, 1)],
-                      *[[("graphed", n, 2, n - 2)] for n in range(4, 8)]]
+    assert phases == [
+        [("warmup", 1, 1, 0)],
+        [("warmup", 2, 2, 0)],
+        [("graphed", 3, 2, 1)],
+        *[[("graphed", n, 2, n - 2)] for n in range(4, 8)],
+    ]
     assert len(log_run.runs) == 3
 
 
@@ -73,7 +79,8 @@ def test_several_shapes_get_separate_graphs(device):
         assert torch.equal(double(x), x * 2)
     assert [(s.key, s.state, s.calls, s.eager_calls, s.replays) for s in double.stats()] == [
         (f"x: f32[{n}] {device_label(device)}", "graphed", calls, 1, calls - 1)
-        for n, calls in ((1, 3), (2, 2), (3, 2))]
+        for n, calls in ((1, 3), (2, 2), (3, 2))
+    ]
 
 
 def test_pytree_inputs_and_outputs(device):
@@ -164,6 +171,7 @@ def test_write_through_an_argument_that_shares_memory_runs_eagerly(device):
         def f(a, b):
             a.add_(1)
             return b * 1
+
         return f
 
     def separate():
@@ -175,20 +183,20 @@ def test_write_through_an_argument_that_shares_memory_runs_eagerly(device):
         assert torch.equal(f(*separate()), torch.zeros(2, device=device))
     assert states(f) == [("graphed", 3, 1, 2)]
     x = torch.zeros(2, device=device)
-    assert torch.equal(f(x, x), ones)   # eager sees the write through b
+    assert torch.equal(f(x, x), ones)  # eager sees the write through b
     assert torch.equal(x, ones)
-    assert states(f) == [("graphed", 4, 2, 2)]    # the graph stays, the call did not replay it
+    assert states(f) == [("graphed", 4, 2, 2)]  # the graph stays, the call did not replay it
     assert torch.equal(f(*separate()), torch.zeros(2, device=device))
-    assert states(f) == [("graphed", 5, 2, 3)]    # and serves the next call
+    assert states(f) == [("graphed", 5, 2, 3)]  # and serves the next call
 
-    g = make()                                    # the capture call itself shares memory
+    g = make()  # the capture call itself shares memory
     g(*separate())
     x = torch.zeros(2, device=device)
     assert torch.equal(g(x, x), ones) and torch.equal(x, ones)
-    assert states(g) == [("warmup", 2, 2, 0)]     # ran eagerly, nothing captured
+    assert states(g) == [("warmup", 2, 2, 0)]  # ran eagerly, nothing captured
     for _ in range(2):
         assert torch.equal(g(*separate()), torch.zeros(2, device=device))
-    assert states(g) == [("graphed", 4, 2, 2)]         # captured at the next call
+    assert states(g) == [("graphed", 4, 2, 2)]  # captured at the next call
 
 
 def test_random_ops_give_fresh_numbers_on_every_replay_and_follow_the_seed(device):
@@ -204,7 +212,7 @@ def test_random_ops_give_fresh_numbers_on_every_replay_and_follow_the_seed(devic
     first = run(graphed)
     assert states(graphed) == [("graphed", 6, 1, 5)]
     assert len({tuple(t.tolist()) for t in first}) == 6
-    second = run(graphed)                      # every call a replay now
+    second = run(graphed)  # every call a replay now
     assert states(graphed) == [("graphed", 12, 1, 11)]
     # a capture and its replay advance the generator as one eager call does, and a replay
     # draws what an eager call would from the same generator state
@@ -223,17 +231,16 @@ def test_python_side_effects_on_state_the_call_reaches_make_its_key_eager(device
 
     for _ in range(5):
         assert torch.equal(f(torch.ones(1, device=device)), torch.full((1,), 2.0, device=device))
-    # A replay would not append (docs/design.md, "Python state"): the capture saw the change, so every call runs
-    # its Python, as eagerly; the capture call's own replay is its result.
+    # A replay would not append (docs/design.md, "Python state"): the capture saw the change, so
+    # every call runs its Python, as eagerly; the capture call's own replay is its result.
     assert len(seen) == 5
     assert states(f) == [("eager", 5, 4, 1)]
-    message, = autograph_warnings(caught)
+    (message,) = autograph_warnings(caught)
     assert "(seen: length 1 -> 2)" in message
     assert f.stats()[0].fallback_reason in message
 
 
-def test_python_side_effects_the_call_cannot_reach_happen_at_capture_not_at_replay(
-        device, capsys):
+def test_python_side_effects_the_call_cannot_reach_happen_at_capture_not_at_replay(device, capsys):
     log_run = python_run_log()  # a function in another module: no state of the call's
 
     @autograph.graphed
@@ -267,12 +274,12 @@ def test_methods_keep_graphs_per_instance(device):
             x = torch.randn(2, 4, device=device)
             assert torch.equal(a(x), a.linear(x) * 1.0)
             assert torch.equal(b(x), b.linear(x) * 3.0)
-    rows = Scaler.forward.stats()   # instances are numbered in order of first call
+    rows = Scaler.forward.stats()  # instances are numbered in order of first call
     assert len({r.function for r in rows}) == 2
     assert all(r.function.startswith("Scaler.forward#") for r in rows)
     assert states(Scaler.forward) == [("graphed", 4, 1, 3), ("graphed", 4, 1, 3)]
     # one instance's rows, by the instance or by its bound method
-    a_row, = autograph.stats(a)
+    (a_row,) = autograph.stats(a)
     assert autograph.stats(a.forward) == rows and a_row in rows
     assert autograph.stats(b)[0].function != a_row.function
 
@@ -283,7 +290,7 @@ def test_the_cache_keeps_no_instance_alive(device):
     with torch.no_grad():
         for _ in range(3):
             model(torch.randn(2, 4, device=device))
-    row, = autograph.stats(model)
+    (row,) = autograph.stats(model)
     assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 3, 1, 2)
     assert row in Scaler.forward.stats()
     cache = engine.instance_caches[model]
@@ -328,13 +335,15 @@ def test_a_graphed_module_is_still_the_module(device):
             for _ in range(3):
                 x = torch.randn(3, 4, device=device)
                 assert torch.equal(graphed(x), torch.nn.functional.gelu(model.linear(x)) + 1)
-    assert sorted((r.key, r.state, r.calls, r.eager_calls, r.replays)
-                  for r in graphed.forward.stats()) == [
+    assert sorted(
+        (r.key, r.state, r.calls, r.eager_calls, r.replays) for r in graphed.forward.stats()
+    ) == [
         (f"x: f32[3, 4] {device_label(device)} (no_grad, {mode})", "graphed", calls, 1, calls - 1)
-        for mode, calls in (("eval", 3), ("train", 6))]
+        for mode, calls in (("eval", 3), ("train", 6))
+    ]
     assert autograph.stats(graphed) == graphed.forward.stats()
     assert is_label_of(graphed.forward.stats()[0].function, Plain)
-    assert model.python_runs == 4   # warmup and capture of each key
+    assert model.python_runs == 4  # warmup and capture of each key
     ref = weakref.ref(model)
     del model, graphed
     gc.collect()
@@ -360,8 +369,8 @@ def test_replaced_parameters_are_captured_again(device):
         # the first call after the change captured again (the forward's Python ran once
         # more), and both calls replayed
         assert states(model) == [("graphed", 5, 1, 4)] and model.python_runs == 3
-        model.to(torch.float64).to(torch.float32)   # every parameter and buffer: new memory
-        model.linear.weight.mul_(0)                 # and an update in place must show
+        model.to(torch.float64).to(torch.float32)  # every parameter and buffer: new memory
+        model.linear.weight.mul_(0)  # and an update in place must show
         for _ in range(2):
             check(5.0)
         assert states(model) == [("graphed", 7, 1, 6)] and model.python_runs == 4
@@ -459,17 +468,19 @@ def test_unsafe_operation_falls_back_once_with_the_users_line(device, caught):
         return x
 
     assert torch.equal(f(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
-    assert autograph_warnings(caught) == []    # the warmup ran as written, the guard watching
+    assert autograph_warnings(caught) == []  # the warmup ran as written, the guard watching
     for _ in range(2):  # the capture stops at the unsafe line; this call and later run eagerly
         assert torch.equal(f(torch.ones(2, device=device)), torch.full((2,), 2.0, device=device))
     assert states(f) == [("eager", 3, 3, 0)]
     messages = autograph_warnings(caught)
     line = f.__wrapped__.__code__.co_firstlineno + 2
-    assert messages == [f"test_unsafe_operation_falls_back_once_with_the_users_line"
-                        f".<locals>.f(x: f32[2] {device_label(device)}) runs eagerly: "
-                        f"a tensor used as a Python "
-                        f"condition at test_graphed.py:{line} synchronises with the host, and "
-                        f"{host_read_fix('a tensor used as a Python condition')}"]
+    assert messages == [
+        f"test_unsafe_operation_falls_back_once_with_the_users_line"
+        f".<locals>.f(x: f32[2] {device_label(device)}) runs eagerly: "
+        f"a tensor used as a Python "
+        f"condition at test_graphed.py:{line} synchronises with the host, and "
+        f"{host_read_fix('a tensor used as a Python condition')}"
+    ]
     assert f.stats()[0].fallback_reason == messages[0].split("runs eagerly: ")[1]
 
 
@@ -483,7 +494,7 @@ def test_unsafe_operation_only_on_the_capture_path_is_stopped(device, caught):
         return x + 1
 
     outs = [f(torch.zeros(1, device=device))]
-    read_on_host[0] = True        # the warmup did not take this path; the capture does
+    read_on_host[0] = True  # the warmup did not take this path; the capture does
     outs += [f(torch.zeros(1, device=device)) for _ in range(3)]
     assert [o.item() for o in outs] == [1.0, 0.0, 0.0, 0.0]
     assert states(f) == [("eager", 4, 4, 0)]
@@ -506,27 +517,31 @@ def test_strict_raises_instead_of_falling_back(device, how, monkeypatch, caught)
         return x * 2
 
     f_strict, g_strict = strict(f), strict(g)
-    f_lenient = autograph.graphed(strict=False)(f)   # the function's own option wins
+    f_lenient = autograph.graphed(strict=False)(f)  # the function's own option wins
     twos = torch.full((2,), 2.0, device=device)
-    assert torch.equal(f_strict(torch.ones(2, device=device)), twos)   # warmup: runs as written
+    assert torch.equal(f_strict(torch.ones(2, device=device)), twos)  # warmup: runs as written
     line = f.__code__.co_firstlineno + 1
     call = f"{f.__qualname__}(x: f32[2] {device_label(device)})"
-    reason = (f".item() at test_graphed.py:{line} synchronises with the host, and "
-              f"{host_read_fix('.item()')}")
+    reason = (
+        f".item() at test_graphed.py:{line} synchronises with the host, and "
+        f"{host_read_fix('.item()')}"
+    )
     message = f"{call} runs eagerly: {reason}"
     for _ in range(3):  # the capture found it, then every later call raises too
         with pytest.raises(autograph.CaptureError) as raised:
             f_strict(torch.ones(2, device=device))
         # It raises: its words say so, not that it runs eagerly.
-        assert str(raised.value) == (f"{call} cannot be graphed, and strict mode raises instead "
-                                     f"of running it eagerly: {reason}")
+        assert str(raised.value) == (
+            f"{call} cannot be graphed, and strict mode raises instead "
+            f"of running it eagerly: {reason}"
+        )
     assert states(f_strict) == [("eager", 4, 1, 0)]
     for _ in range(4):
         assert torch.equal(f_lenient(torch.ones(2, device=device)), twos)
         assert torch.equal(g_strict(torch.ones(2, device=device)), twos)
     assert states(f_lenient) == [("eager", 4, 4, 0)]
-    assert states(g_strict) == [("graphed", 4, 1, 3)]   # strict changes nothing that graphs
-    assert autograph_warnings(caught) == [message]       # the lenient one's, once
+    assert states(g_strict) == [("graphed", 4, 1, 3)]  # strict changes nothing that graphs
+    assert autograph_warnings(caught) == [message]  # the lenient one's, once
 
 
 def test_users_own_exception_propagates_in_every_phase_and_the_key_recovers(device, caught):
@@ -539,7 +554,7 @@ def test_users_own_exception_propagates_in_every_phase_and_the_key_recovers(devi
         if phase in fail:
             raise ValueError(f"bad input in {phase}")
         if phase == "eager":
-            x.sum().item()           # this key falls back at its capture
+            x.sum().item()  # this key falls back at its capture
         return x + counter
 
     def call(phase, failing=False):
@@ -555,19 +570,20 @@ def test_users_own_exception_propagates_in_every_phase_and_the_key_recovers(devi
             call(phase, failing=True)
         assert raised.traceback[-1].name == "f"
 
-    raises("graphed")                      # at warmup
-    assert call("graphed") == 2            # warmup
-    raises("graphed")                      # at capture
+    raises("graphed")  # at warmup
+    assert call("graphed") == 2  # warmup
+    raises("graphed")  # at capture
     assert counter.item() == 3  # the work before the raise ran, once, as in eager mode
-    assert call("graphed") == 4            # captured now
-    assert call("graphed") == 5            # replayed
-    assert call("eager") == 6              # warmup
-    assert call("eager") == 7              # the capture stopped at .item(): eager, once
-    raises("eager")                        # in a key that runs eagerly
+    assert call("graphed") == 4  # captured now
+    assert call("graphed") == 5  # replayed
+    assert call("eager") == 6  # warmup
+    assert call("eager") == 7  # the capture stopped at .item(): eager, once
+    raises("eager")  # in a key that runs eagerly
     assert counter.item() == 8
-    assert call("graphed") == 9            # the graph still replays
-    rows = {r.key.split("phase=")[1]: (r.state, r.calls, r.eager_calls, r.replays)
-            for r in f.stats()}
+    assert call("graphed") == 9  # the graph still replays
+    rows = {
+        r.key.split("phase=")[1]: (r.state, r.calls, r.eager_calls, r.replays) for r in f.stats()
+    }
     # the call that raised during capture is neither an eager call nor a replay
     assert rows == {"'graphed'": ("graphed", 6, 2, 3), "'eager'": ("eager", 3, 3, 0)}
     messages = autograph_warnings(caught)
@@ -590,7 +606,7 @@ def test_a_graphed_function_inside_another_becomes_part_of_its_graph(device):
         x = torch.randn(3, device=device)
         assert torch.equal(outer(x), x * 2 + 1)
     assert states(outer) == [("graphed", 4, 1, 3)]
-    assert len(log_inner_run.runs) == 2   # at the outer warmup and capture; replays are outer's
+    assert len(log_inner_run.runs) == 2  # at the outer warmup and capture; replays are outer's
     # inner's own engine saw only the outer warmup's call: inside a capture it steps aside
     assert states(inner) == [("warmup", 1, 1, 0)]
 
@@ -628,15 +644,33 @@ def test_stats_and_report(device, capsys):
 
     for _ in range(3):
         f(torch.zeros(2, device=device))
-    row, = autograph.stats(f)
+    (row,) = autograph.stats(f)
     assert row in autograph.stats() and row.function.endswith("<locals>.f")
-    assert (row.key, row.state, row.calls, row.replays, row.eager_calls, row.fallback_reason) \
-        == (f"x: f32[2] {device_label(device)}", "graphed", 3, 2, 1, None)
+    assert (row.key, row.state, row.calls, row.replays, row.eager_calls, row.fallback_reason) == (
+        f"x: f32[2] {device_label(device)}",
+        "graphed",
+        3,
+        2,
+        1,
+        None,
+    )
     assert row.capture_seconds is not None and row.capture_seconds > 0
     autograph.report()
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["function", "key", "state", "calls", "replays", "eager",
-                                "capture", "ms", "MiB", "padding", "fallback", "reason"]
+    assert lines[0].split() == [
+        "function",
+        "key",
+        "state",
+        "calls",
+        "replays",
+        "eager",
+        "capture",
+        "ms",
+        "MiB",
+        "padding",
+        "fallback",
+        "reason",
+    ]
     line = next(line for line in lines if line.startswith(row.function))
     assert line.split()[1:8] == ["x:", "f32[2]", device_label(device), "graphed", "3", "2", "1"]
 
@@ -647,10 +681,10 @@ def test_expanded_and_strided_arguments(device):
         return x + bias
 
     for _ in range(4):
-        bias = torch.randn(8, device=device).expand(4, 8)   # stride 0 in the first dimension
-        x = torch.randn(8, 4, device=device).t()             # not contiguous
+        bias = torch.randn(8, device=device).expand(4, 8)  # stride 0 in the first dimension
+        x = torch.randn(8, 4, device=device).t()  # not contiguous
         assert torch.equal(f(bias, x), x + bias)
-    row, = f.stats()
+    (row,) = f.stats()
     assert "strides=(0, 1)" in row.key
     assert states(f) == [("graphed", 4, 1, 3)]
 
@@ -690,13 +724,20 @@ def test_calls_that_cannot_be_graphed_whatever_their_key_run_eagerly_in_silence(
     rows = add.stats()
     if torch.cuda.is_available():  # CPU tensors: a keyword argument takes the keyed path
         assert [(r.key == "every call", r.state, r.calls, r.eager_calls) for r in rows] == [
-            (False, "eager", 1, 1), (True, "eager", 3, 3)]
+            (False, "eager", 1, 1),
+            (True, "eager", 3, 3),
+        ]
         assert {r.fallback_reason for r in rows} == {
-            "its tensors are on the CPU; CUDA graphs replay GPU work only"}
+            "its tensors are on the CPU; CUDA graphs replay GPU work only"
+        }
     else:  # no GPU at all; the call with a keyword argument is keyed
-        assert [(r.key == "every call", r.state, r.calls, r.eager_calls, r.fallback_reason)
-                for r in rows] == [(False, "eager", 1, 1, "CUDA is not available"),
-                                   (True, "eager", 3, 3, "CUDA is not available")]
+        assert [
+            (r.key == "every call", r.state, r.calls, r.eager_calls, r.fallback_reason)
+            for r in rows
+        ] == [
+            (False, "eager", 1, 1, "CUDA is not available"),
+            (True, "eager", 3, 3, "CUDA is not available"),
+        ]
 
     @autograph.graphed
     def scale(x, cfg):

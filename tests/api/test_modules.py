@@ -1,6 +1,7 @@
 """``autograph.graphed(module)`` graphs the forward that module's own calls would run (issue 14):
 the class's method, a forward set on the instance, a compiled module's forward; and a graphed
 module's stats, reset and labels are in one documented place."""
+
 import torch
 
 import autograph
@@ -67,7 +68,7 @@ def test_stats_reset_and_report_of_a_graphed_module_in_one_place(device, capsys)
 
 def test_a_forward_replaced_after_graphing_runs_as_set(device):
     model = autograph.graphed(torch.nn.Linear(3, 3).to(device))
-    model.forward = lambda i: i + 1          # replaces the graphed forward, as it says
+    model.forward = lambda i: i + 1  # replaces the graphed forward, as it says
     x = torch.randn(2, 3, device=device)
     with torch.no_grad():
         assert torch.equal(model(x), x + 1)
@@ -80,5 +81,5 @@ def test_a_graphed_module_in_a_region_graphs_itself_once(device):
     with torch.no_grad(), autograph.region() as region:
         for _ in range(3):
             model(x)
-    assert rows(model) == [("graphed", 3, 1, 2)]       # its own engine, not a region one
+    assert rows(model) == [("graphed", 3, 1, 2)]  # its own engine, not a region one
     assert [r.function for r in region.stats().keys] == [autograph.stats(model)[0].function]

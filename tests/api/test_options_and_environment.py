@@ -1,4 +1,5 @@
 """Options and environment variables (docs/design.md, "Options")."""
+
 import os
 import subprocess
 import sys
@@ -8,18 +9,26 @@ import torch
 
 import autograph
 from autograph._config import Environment
+
 from conftest import states
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 
 
-@pytest.mark.parametrize("bad", [
-    {"warmup": 0}, {"warmup": 1.5}, {"warmup": True}, {"outputs": "clone"},
-    {"max_graphs": -1}, {"strict": "yes"},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"warmup": 0},
+        {"warmup": 1.5},
+        {"warmup": True},
+        {"outputs": "clone"},
+        {"max_graphs": -1},
+        {"strict": "yes"},
+    ],
+)
 def test_invalid_options_are_rejected_with_the_value(bad):
-    (name, value), = bad.items()
+    ((name, value),) = bad.items()
     with pytest.raises(ValueError, match=f"{name}={value!r}"):
         autograph.graphed(**bad)
 
@@ -47,18 +56,22 @@ def test_non_callable_is_refused():
         autograph.graphed(42)
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, Environment()),
-    ({"AUTOGRAPH_DISABLE": "1"}, Environment(disable=True)),
-    ({"AUTOGRAPH_DISABLE": "true", "AUTOGRAPH_STRICT": "on"}, Environment(True, True)),
-    ({"AUTOGRAPH_DISABLE": "0", "AUTOGRAPH_LOG": "debug"}, Environment(log_level=10)),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, Environment()),
+        ({"AUTOGRAPH_DISABLE": "1"}, Environment(disable=True)),
+        ({"AUTOGRAPH_DISABLE": "true", "AUTOGRAPH_STRICT": "on"}, Environment(True, True)),
+        ({"AUTOGRAPH_DISABLE": "0", "AUTOGRAPH_LOG": "debug"}, Environment(log_level=10)),
+    ],
+)
 def test_environment_is_parsed(env, expected):
     assert Environment.read(env) == expected
 
 
-@pytest.mark.parametrize("env", [{"AUTOGRAPH_DISABLE": "2"}, {"AUTOGRAPH_STRICT": "maybe"},
-                                 {"AUTOGRAPH_LOG": "verbose"}])
+@pytest.mark.parametrize(
+    "env", [{"AUTOGRAPH_DISABLE": "2"}, {"AUTOGRAPH_STRICT": "maybe"}, {"AUTOGRAPH_LOG": "verbose"}]
+)
 def test_unknown_environment_values_are_errors(env):
     with pytest.raises(ValueError, match=next(iter(env))):
         Environment.read(env)
@@ -66,8 +79,13 @@ def test_unknown_environment_values_are_errors(env):
 
 def _run(code, **env):
     path = os.pathsep.join([ROOT, TESTS])  # TESTS: conftest's helpers
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": path, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, **env},
+        timeout=120,
+    )
 
 
 def test_bad_environment_fails_at_import():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import autograph
+
 from conftest import python_run_log
 from helpers.models import cache_contents, tiny_llama_decoding
 
@@ -17,14 +18,16 @@ def test_capture_with_a_static_cache_per_bucket_makes_each_first_call_a_replay(d
     config, tokens, decode = llama.config, llama.tokens, llama.decode
     prefill, new_cache = llama.prefill, llama.new_cache
 
-    step = autograph.graphed(decode, buckets=buckets, bucket_args={"ids": 0},
-                             static_argnames=("cache",))
+    step = autograph.graphed(
+        decode, buckets=buckets, bucket_args={"ids": 0}, static_argnames=("cache",)
+    )
     with torch.inference_mode():
         caches = {b: prefill(new_cache(), tokens(b, prompt_len)) for b in buckets}
         before = {b: cache_contents(c) for b, c in caches.items()}
         example = tokens(8, 1)
-        rows = step.capture(example, torch.tensor([prompt_len], device=device),
-                            autograph.per_bucket(caches))
+        rows = step.capture(
+            example, torch.tensor([prompt_len], device=device), autograph.per_bucket(caches)
+        )
         assert sorted((r.bucket, r.state) for r in rows) == [(b, "graphed") for b in buckets]
         for b, cache in caches.items():  # the warmups' writes were taken back
             for now, then in zip(cache_contents(cache), before[b]):
@@ -56,7 +59,7 @@ def test_capture_gives_each_bucket_its_own_value_keyword_or_callable(device):
     @autograph.graphed(buckets=[2, 4], static_argnames=("cache",))
     def store(x, cache):
         log_run((x.shape[0], cache.shape[0]))
-        cache[:x.shape[0]] = x
+        cache[: x.shape[0]] = x
         return x * 2
 
     caches = {2: torch.zeros(2, 3, device=device), 4: torch.zeros(4, 3, device=device)}
@@ -69,29 +72,34 @@ def test_capture_gives_each_bucket_its_own_value_keyword_or_callable(device):
     assert torch.equal(caches[4][:3], x)
     assert len(log_run.runs) == runs  # a replay: the function's Python did not run
     assert sorted((r.bucket, r.state, r.replays) for r in store.stats()) == [
-        (2, "graphed", 0), (4, "graphed", 1)]
+        (2, "graphed", 0),
+        (4, "graphed", 1),
+    ]
 
 
 def test_a_marker_inside_a_container_is_swapped_too(device):
     @autograph.graphed(buckets=[2, 4], static_argnames=("state",))
     def store(x, state):
-        state["cache"][:x.shape[0]] = x
+        state["cache"][: x.shape[0]] = x
         return x * state["scale"]
 
     caches = {2: torch.zeros(2, 3, device=device), 4: torch.zeros(4, 3, device=device)}
-    store.capture(torch.ones(4, 3, device=device),
-                  {"cache": autograph.per_bucket(caches), "scale": 2.0})
+    store.capture(
+        torch.ones(4, 3, device=device), {"cache": autograph.per_bucket(caches), "scale": 2.0}
+    )
     x = torch.randn(1, 3, device=device)
     assert torch.equal(store(x, {"cache": caches[2], "scale": 2.0}), x * 2)
     assert torch.equal(caches[2][:1], x) and not caches[4].any()
     assert sorted((r.bucket, r.state, r.eager_calls, r.replays) for r in store.stats()) == [
-        (2, "graphed", 0, 1), (4, "graphed", 0, 0)]
+        (2, "graphed", 0, 1),
+        (4, "graphed", 0, 0),
+    ]
 
 
 def test_a_mapping_without_some_bucket_names_the_sizes_and_the_fix(device):
     @autograph.graphed(buckets=[1, 2, 4], static_argnames=("cache",))
     def store(x, cache):
-        cache[:x.shape[0]] = x
+        cache[: x.shape[0]] = x
         return x + 1
 
     caches = {4: torch.zeros(4, 2, device=device)}
@@ -137,7 +145,7 @@ def test_a_padded_run_that_raises_says_it_ran_padded_and_names_bucket_args(devic
     # by chance is padded too by the default rule, and torch's error alone did not say so.
     def step(x, w, cache):
         y = x @ w
-        cache[:y.shape[0]] += y
+        cache[: y.shape[0]] += y
         return y
 
     x, w = torch.randn(3, 3, device=device), torch.randn(3, 5, device=device)
@@ -147,8 +155,9 @@ def test_a_padded_run_that_raises_says_it_ran_padded_and_names_bucket_args(devic
     assert "padded from 3 to 4 rows" in raised.value.__notes__[0]
     assert "bucket_args=" in raised.value.__notes__[0]
     # Named, it graphs and gives eager's result.
-    named = autograph.graphed(step, buckets=[4], static_argnames=("cache",),
-                              bucket_args={"x": 0}, bucket_outputs=0)
+    named = autograph.graphed(
+        step, buckets=[4], static_argnames=("cache",), bucket_args={"x": 0}, bucket_outputs=0
+    )
     cache, eager_cache = torch.zeros(4, 5, device=device), torch.zeros(4, 5, device=device)
     for _ in range(4):
         torch.testing.assert_close(named(x, w, cache), step(x, w, eager_cache))

@@ -1,4 +1,5 @@
 """What ``import autograph`` shows a user: the public names only, each documented."""
+
 import dataclasses
 import pydoc
 
@@ -25,6 +26,6 @@ def test_every_public_function_class_and_module_has_its_own_docstring():
     # What the API reference (docs/reference.md) is generated from.
     for name in autograph.__all__:
         obj = getattr(autograph, name)
-        if isinstance(obj, dict):    # VERIFY_TOLERANCES: a table, documented in the guides
+        if isinstance(obj, dict):  # VERIFY_TOLERANCES: a table, documented in the guides
             continue
         assert (obj.__doc__ or "").strip(), f"autograph.{name} has no docstring"

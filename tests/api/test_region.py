@@ -2,6 +2,7 @@
 
 Run on CPU tensors through the CPU emulation of CUDA graphs, and on a GPU where there is one.
 """
+
 import contextlib
 import gc
 import threading
@@ -13,6 +14,7 @@ import torch
 import autograph
 from autograph import _config, _scope
 from autograph.api import _region
+
 from conftest import autograph_warnings, is_label_of, python_run_log, states
 
 
@@ -39,13 +41,13 @@ def test_top_level_module_calls_are_graphed_inside_and_only_inside(device):
         with autograph.region() as region:
             for _ in range(4):
                 assert torch.equal(model(x), expected)
-        assert model.calls == 2                     # warmup + capture; two replays
+        assert model.calls == 2  # warmup + capture; two replays
         model(x)
-        assert model.calls == 3                     # outside: plain eager
+        assert model.calls == 3  # outside: plain eager
     assert states(region) == [("graphed", 4, 1, 3)]  # one key: none for the Linear
-    row, = region.stats().keys
+    (row,) = region.stats().keys
     assert is_label_of(row.function, Block)
-    assert autograph.stats(model) == [row]          # the call outside was not counted
+    assert autograph.stats(model) == [row]  # the call outside was not counted
     assert autograph.stats(model.inner) == []
     stats = region.stats()
     assert (stats.captures, stats.replays, stats.eager_calls) == (1, 3, 1)
@@ -93,22 +95,25 @@ def test_regions_nest_and_the_inner_one_wins(device):
         with autograph.region(enabled=False):
             for _ in range(3):
                 f(torch.zeros(1, device=device))
-            assert len(runs) == 3 and f.stats() == []   # eager, and not even counted
+            assert len(runs) == 3 and f.stats() == []  # eager, and not even counted
             with autograph.region(warmup=1):
                 for _ in range(3):
                     f(torch.zeros(1, device=device))
-    assert len(runs) == 5                               # warmup=1, not the outer 2
+    assert len(runs) == 5  # warmup=1, not the outer 2
     assert states(f) == [("graphed", 3, 1, 2)]
 
 
-@pytest.mark.parametrize("how", ["AUTOGRAPH_DISABLE=1", "region(enabled=False)",
-                                 "AUTOGRAPH_DISABLE=1 in a region"])
+@pytest.mark.parametrize(
+    "how", ["AUTOGRAPH_DISABLE=1", "region(enabled=False)", "AUTOGRAPH_DISABLE=1 in a region"]
+)
 def test_disabled_runs_every_call_eagerly_and_records_nothing(device, how, monkeypatch):
     if how.startswith("AUTOGRAPH_DISABLE"):
         monkeypatch.setattr(_config, "ENV", _config.Environment(disable=True))
-    scope = {"AUTOGRAPH_DISABLE=1": contextlib.nullcontext(),
-             "region(enabled=False)": autograph.region(enabled=False),
-             "AUTOGRAPH_DISABLE=1 in a region": autograph.region()}[how]
+    scope = {
+        "AUTOGRAPH_DISABLE=1": contextlib.nullcontext(),
+        "region(enabled=False)": autograph.region(enabled=False),
+        "AUTOGRAPH_DISABLE=1 in a region": autograph.region(),
+    }[how]
     log_run = python_run_log()
     runs = log_run.runs
 
@@ -119,7 +124,7 @@ def test_disabled_runs_every_call_eagerly_and_records_nothing(device, how, monke
 
     graphed_model, region_model = autograph.graphed(Block().to(device)), Block().to(device)
     with torch.no_grad(), scope:
-        for _ in range(4):                # checked on every call: Python runs every time
+        for _ in range(4):  # checked on every call: Python runs every time
             x = torch.randn(2, 4, device=device)
             assert torch.equal(f(x), x + 1)
             assert torch.equal(graphed_model(x), torch.relu(graphed_model.inner(x)))
@@ -151,7 +156,7 @@ def test_regions_are_per_thread(device):
     try:
         entered.wait(10)
         with torch.no_grad():
-            for x in ours:                   # another thread: the region does not apply
+            for x in ours:  # another thread: the region does not apply
                 model(x)
     finally:  # a failure here must not leave the worker's region open for the next test
         done.set()
@@ -171,7 +176,7 @@ def global_state():
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cpu"),
         torch.cuda.is_available() and torch.cuda.is_current_stream_capturing(),
-        list(getattr(_scope.thread, "regions", [])),    # a copy: the stack is mutated
+        list(getattr(_scope.thread, "regions", [])),  # a copy: the stack is mutated
         getattr(_scope.thread, "depth", 0),
     )
 
@@ -191,7 +196,7 @@ def test_leaving_a_region_leaves_no_trace_even_on_exception(device):
     before = global_state()
     model = Failing().to(device)
     with torch.no_grad(), autograph.region():
-        for _ in range(3):                   # a warmup, a capture and a replay inside
+        for _ in range(3):  # a warmup, a capture and a replay inside
             model(torch.randn(2, 4, device=device))
         assert torch.nn.Module.__call__ is not before[0]
     assert states(model) == [("graphed", 3, 1, 2)]
@@ -201,7 +206,7 @@ def test_leaving_a_region_leaves_no_trace_even_on_exception(device):
         with torch.no_grad(), autograph.region(), autograph.region(warmup=2):
             for _ in range(2):
                 other(torch.randn(2, 4, device=device))
-            other.fail = True                # raised from inside the capture
+            other.fail = True  # raised from inside the capture
             other(torch.randn(2, 4, device=device))
     assert other.calls == 2 and states(other) == [("warmup", 3, 2, 0)]
     assert global_state() == before
@@ -219,7 +224,7 @@ def test_graphs_are_kept_for_the_next_region_and_released_with_the_module(device
     assert model.calls == 2
     assert (second.stats().captures, second.stats().replays) == (0, 1)
     assert states(model) == [("graphed", 4, 1, 3)]
-    row, = autograph.stats(model)
+    (row,) = autograph.stats(model)
     engine = _region.engine_of(model)
     engine_ref = weakref.ref(engine)
     graph_ref = weakref.ref(next(iter(engine.cache.entries.values())).graph)
@@ -255,21 +260,22 @@ def test_graphs_captured_in_one_region_share_one_pool(device):
 def test_a_training_loop_in_a_region_trains_as_in_eager(device, caught):
     def train(use_region):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
-                                    torch.nn.Linear(32, 1)).to(device)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)
+        ).to(device)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         loss_fn = torch.nn.MSELoss()
         data = torch.randn(64, 8, device=device)
         target = data.sum(-1, keepdim=True)
         losses, evaluations = [], []
-        with (autograph.region() if use_region else contextlib.nullcontext()):
+        with autograph.region() if use_region else contextlib.nullcontext():
             for _ in range(30):
                 optimizer.zero_grad()
                 loss = loss_fn(model(data), target)
                 loss.backward()
                 optimizer.step()
                 losses.append(loss.item())
-            with torch.no_grad():          # evaluation inside the region is graphed
+            with torch.no_grad():  # evaluation inside the region is graphed
                 for _ in range(3):
                     evaluations.append(model(data))
         return losses, evaluations, model, loss_fn
@@ -312,8 +318,8 @@ def test_a_region_left_in_another_thread_still_restores_module_call():
     leaving.start()
     leaving.join()
     assert torch.nn.Module.__call__ is original
-    assert errors and errors[0] is not None        # leaving from another thread is an error
-    _scope.thread.regions.remove(region)          # this thread's stack, tidied by hand
+    assert errors and errors[0] is not None  # leaving from another thread is an error
+    _scope.thread.regions.remove(region)  # this thread's stack, tidied by hand
 
 
 def _exit_catching(region):
@@ -335,5 +341,6 @@ def test_a_region_counts_its_calls_that_cannot_be_graphed_and_not_their_submodul
     stats = r.stats()
     assert (stats.captures, stats.replays, stats.eager_calls) == (0, 0, 3)
     assert [(row.function, row.key, row.calls) for row in stats.keys] == [
-        (autograph.stats(model)[0].function, "every call", 3)]
+        (autograph.stats(model)[0].function, "every call", 3)
+    ]
     assert autograph.stats(model[0]) == autograph.stats(model[1]) == []

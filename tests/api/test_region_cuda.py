@@ -1,11 +1,13 @@
 """``autograph.region()`` on a real GPU: an HF decode loop. The region's other tests run on
 the GPU too, in test_region.py."""
+
 import copy
 
 import pytest
 import torch
 
 import autograph
+
 from conftest import autograph_warnings, is_label_of, requires_cuda, states
 from helpers.models import llama, static_decode
 
@@ -25,11 +27,11 @@ def test_hf_llama_decode_loop_in_a_region_matches_eager(caught):
         assert torch.equal(a, b), f"decode step {step} differs"
     stats = region.stats()
     assert (stats.captures, stats.replays) == (1, 19)
-    assert stats.eager_calls == 2   # the prefill (a key of its own) and the decode's warmup
+    assert stats.eager_calls == 2  # the prefill (a key of its own) and the decode's warmup
     # the prefill stays in warmup (one call), the decode step is graphed: nothing else, no
     # key for the model's submodules
     assert states(region) == [("warmup", 1, 1, 0), ("graphed", 20, 1, 19)]
     assert autograph.stats(region_model) == stats.keys
     assert all(is_label_of(r.function, type(region_model)) for r in stats.keys)
-    assert autograph.stats(model) == []              # the eager reference was not graphed
+    assert autograph.stats(model) == []  # the eager reference was not graphed
     assert autograph_warnings(caught) == []

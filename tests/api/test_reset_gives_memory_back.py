@@ -1,13 +1,17 @@
 """reset() drops graphs and gives their memory back: garbage collected once for all functions, a
 released graph held by a reference cycle freed.
 """
-import pytest
-import torch
-import autograph
-from conftest import states
+
 import gc  # noqa: E402
 import sys  # noqa: E402
 import weakref  # noqa: E402
+
+import pytest
+import torch
+
+import autograph
+
+from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
 
@@ -55,8 +59,11 @@ def test_reset_frees_a_released_graph_that_a_reference_cycle_holds(device):
             x = torch.ones(n, 5, device=device)
             torch.testing.assert_close(gated(x), x * (n > 2.5))
             # this function's own graph (on CI's one process, other tests' graphs live on)
-            graphs += [weakref.ref(life.graph) for life in
-                       gated._self_engine.cache.entries.values() if life.graph is not None]
+            graphs += [
+                weakref.ref(life.graph)
+                for life in gated._self_engine.cache.entries.values()
+                if life.graph is not None
+            ]
         assert states(gated) == [("eager", 4, 2, 2)]  # the check at 2 rows sent it eager
         assert graphs and cycles
         gated.reset()

@@ -2,6 +2,7 @@
 ranges, the capture and fallback log lines with a summary at exit, and ``report()`` readable in a
 terminal and as data.
 """
+
 import dataclasses
 import io
 import json
@@ -18,6 +19,7 @@ from autograph._profile import profile_range
 from autograph._stats import KeyStats, format_table
 from autograph.api._report import EMULATED
 from autograph.watch._guard import host_read_fix
+
 from conftest import device_label
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,6 +30,7 @@ def item(x):
 
 
 # ---- profiler ranges ----
+
 
 def test_warmup_capture_replay_and_eager_calls_are_named_ranges(device, caught):
     @autograph.graphed
@@ -45,7 +48,7 @@ def test_warmup_capture_replay_and_eager_calls_are_named_ranges(device, caught):
         assert f"autograph.{what} {f.__qualname__}{key}" in names, what
     assert f"autograph.eager item{key}" in names
     replays = [e for e in prof.key_averages() if e.key == f"autograph.replay {f.__qualname__}{key}"]
-    assert replays[0].count == 2      # the capture call's replay, then the hot path's
+    assert replays[0].count == 2  # the capture call's replay, then the hot path's
 
 
 def test_a_verified_replay_shows_its_eager_check(device):
@@ -92,25 +95,34 @@ with emulate_graphs_on_cpu():
 def run(program, **env):
     """(exit status, stderr) of ``program`` run with the AUTOGRAPH_* variables of ``env``."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGRAPH_")}
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                            env={**environment, "PYTHONPATH": ROOT, **env}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        env={**environment, "PYTHONPATH": ROOT, **env},
+        timeout=120,
+    )
     return result.returncode, result.stderr
 
 
 def test_logs_tell_captures_checks_fallbacks_and_sum_up_fallbacks_at_exit():
-    status, log = run(PROGRAM.format(with_fallback=True), AUTOGRAPH_LOG="info",
-                      AUTOGRAPH_VERIFY="2")
+    status, log = run(
+        PROGRAM.format(with_fallback=True), AUTOGRAPH_LOG="info", AUTOGRAPH_VERIFY="2"
+    )
     assert status == 0, log
     assert "autograph INFO: captured fine(x: f32[3] cpu) in " in log and " MiB)" in log
-    assert ("autograph INFO: fine(x: f32[3] cpu): its first 2 replays after capture matched "
-            "eager runs") in log
-    fallback = log[log.index("autograph INFO: host(x: f32[3] cpu) runs eagerly: "):]
+    assert (
+        "autograph INFO: fine(x: f32[3] cpu): its first 2 replays after capture matched eager runs"
+    ) in log
+    fallback = log[log.index("autograph INFO: host(x: f32[3] cpu) runs eagerly: ") :]
     reason = fallback.splitlines()[0].split("runs eagerly: ")[1]
     # python -c has no source line to name the read by: the words for an unnamed one.
     assert reason.endswith("synchronises with the host, and " + host_read_fix("a read"))
-    summary = log[log.index("autograph INFO: at exit"):].splitlines()
-    assert summary == ["autograph INFO: at exit, 1 graphed function had keys that ran eagerly:",
-                       f"  host: 1 key, 4 eager calls: {reason}"]
+    summary = log[log.index("autograph INFO: at exit") :].splitlines()
+    assert summary == [
+        "autograph INFO: at exit, 1 graphed function had keys that ran eagerly:",
+        f"  host: 1 key, 4 eager calls: {reason}",
+    ]
 
 
 def test_no_summary_without_fallbacks_or_without_the_log():
@@ -122,29 +134,58 @@ def test_no_summary_without_fallbacks_or_without_the_log():
 
 # ---- report() and stats() ----
 
-REASON = (".item() at model.py:42 synchronises with the host. Replay does not re-run Python, "
-          "so a value read on the host would be frozen at capture; keep it on the GPU")
+REASON = (
+    ".item() at model.py:42 synchronises with the host. Replay does not re-run Python, "
+    "so a value read on the host would be frozen at capture; keep it on the GPU"
+)
 
 
 def row(**changes):
-    fields = dict(function="normalise", key="x: f32[8, 512] cuda:0", state="eager", calls=3,
-                  eager_calls=3, replays=0, capture_seconds=None, graph_bytes=0,
-                  fallback_reason=REASON)
+    fields = dict(
+        function="normalise",
+        key="x: f32[8, 512] cuda:0",
+        state="eager",
+        calls=3,
+        eager_calls=3,
+        replays=0,
+        capture_seconds=None,
+        graph_bytes=0,
+        fallback_reason=REASON,
+    )
     return KeyStats(**{**fields, **changes})
 
 
 def test_long_reasons_wrap_to_the_terminal_width():
-    rows = [row(), row(function="step", state="graphed", eager_calls=1, replays=2,
-                       capture_seconds=0.0012, graph_bytes=2 << 20, fallback_reason=None)]
+    rows = [
+        row(),
+        row(
+            function="step",
+            state="graphed",
+            eager_calls=1,
+            replays=2,
+            capture_seconds=0.0012,
+            graph_bytes=2 << 20,
+            fallback_reason=None,
+        ),
+    ]
     lines = format_table(rows, width=90).splitlines()
     assert max(len(line) for line in lines) <= 90
-    assert lines[0].split() == ["function", "key", "state", "calls", "replays", "eager",
-                                "capture", "ms", "MiB"]      # empty columns left out
+    assert lines[0].split() == [
+        "function",
+        "key",
+        "state",
+        "calls",
+        "replays",
+        "eager",
+        "capture",
+        "ms",
+        "MiB",
+    ]  # empty columns left out
     assert lines[2].startswith("normalise") and lines[-1].startswith("step")
     reason_lines = lines[3:-1]
     assert len(reason_lines) > 1 and all(line.startswith("    ") for line in reason_lines)
     assert " ".join(line.strip() for line in reason_lines) == f"fallback reason: {REASON}"
-    assert format_table(rows).splitlines()[2].endswith(REASON)      # no width: one line
+    assert format_table(rows).splitlines()[2].endswith(REASON)  # no width: one line
 
 
 def test_a_long_key_wraps_too_when_the_reason_alone_cannot_make_room():
@@ -171,7 +212,7 @@ def test_report_wraps_on_a_terminal_and_not_in_a_file(device, monkeypatch, caugh
     autograph.report(g, file=terminal)
     autograph.report(g, file=file)
     assert max(len(line) for line in terminal.getvalue().splitlines()) <= 70
-    assert len(file.getvalue().splitlines()) == 3          # header, rule, one key
+    assert len(file.getvalue().splitlines()) == 3  # header, rule, one key
     assert g.stats()[0].fallback_reason in file.getvalue()
 
 

@@ -1,9 +1,10 @@
-"""The counts of stats() add up with verify, buckets and capture() ahead.
-"""
-import torch
-import autograph
-from conftest import states
+"""The counts of stats() add up with verify, buckets and capture() ahead."""
 
+import torch
+
+import autograph
+
+from conftest import states
 
 
 def test_counts_add_up_with_verify_buckets_and_capture_ahead(device):
@@ -22,7 +23,8 @@ def test_counts_add_up_with_verify_buckets_and_capture_ahead(device):
     assert sorted(stats) == [4, 8]
     for bucket, s in stats.items():
         assert s.state == "graphed" and s.eager_calls == 0
-        assert s.calls == s.replays == sum(1 for r in rows if r <= bucket and
-                                           (bucket == 4 or r > 4))
+        assert (
+            s.calls == s.replays == sum(1 for r in rows if r <= bucket and (bucket == 4 or r > 4))
+        )
         assert s.verified >= 2  # verify=2 checked its first two, the padded checks aside
     assert [st for st, *_ in states(fn)] == ["graphed", "graphed"]

@@ -1,5 +1,6 @@
 """What a type checker sees of ``autograph.graphed``: the decorated function's own signature,
 bare and with options, and a graphed module's own type (``py.typed`` ships with the package)."""
+
 import os
 import subprocess
 import sys
@@ -34,8 +35,13 @@ def test_a_type_checker_sees_the_decorated_functions_signature(tmp_path):
     pytest.importorskip("mypy", reason="mypy is installed by .ci/run and the 'lint' extra")
     path = tmp_path / "user.py"
     path.write_text(USER_CODE)
-    out = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent",
-                          "--no-incremental", str(path)], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-incremental", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=300,
+    )
     errors = [line.split(":")[1] for line in out.stdout.splitlines() if ": error:" in line]
     assert errors == ["10", "16"], out.stdout

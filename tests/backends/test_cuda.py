@@ -3,6 +3,7 @@ autocast, cuDNN handles, streams, memory, and an HF Llama decode.
 
 The engine's behaviour on both devices is in test_graphed.py, run there on CUDA too.
 Skipped, with the reason, where there is no GPU."""
+
 import copy
 import gc
 import threading
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import autograph
+
 from conftest import autograph_warnings, requires_cuda, states
 from helpers.models import llama, static_decode
 
@@ -32,7 +34,7 @@ def test_mlp_equals_eager_bitwise():
         for _ in range(6):
             x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
             assert torch.equal(graphed(x), model(x))
-    row, = graphed.forward.stats()
+    (row,) = graphed.forward.stats()
     assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 6, 1, 5)
     # the first graph of a new pool reserves memory of its own
     assert row.graph_bytes > 0 and 0 < row.capture_seconds < 5
@@ -81,7 +83,7 @@ def test_static_outputs_die_with_their_function():
         kept = f(torch.zeros(4, device="cuda"))
     assert states(f) == [("graphed", 3, 1, 2)]
     del f
-    gc.collect()   # the graph and its buffers are gone: the alias must not read freed memory
+    gc.collect()  # the graph and its buffers are gone: the alias must not read freed memory
     with pytest.raises(RuntimeError, match="belonged to a graph that was released"):
         kept.sum()
 
@@ -96,8 +98,10 @@ def test_autocast_on_and_off_get_their_own_graphs():
                 assert torch.equal(graphed(x), model(x))
             assert torch.equal(graphed(x), model(x))
     keys = sorted(r.key for r in graphed.forward.stats())
-    assert keys == ["input: f32[2, 512] cuda:0 (no_grad, autocast cuda bf16, eval)",
-                    "input: f32[2, 512] cuda:0 (no_grad, eval)"]
+    assert keys == [
+        "input: f32[2, 512] cuda:0 (no_grad, autocast cuda bf16, eval)",
+        "input: f32[2, 512] cuda:0 (no_grad, eval)",
+    ]
     assert states(graphed) == [("graphed", 3, 1, 2)] * 2
 
 
@@ -110,16 +114,16 @@ def test_a_convolution_captured_in_a_thread_that_never_ran_one():
     results = []
 
     def capture_here():
-        with torch.no_grad():          # grad mode is per thread
+        with torch.no_grad():  # grad mode is per thread
             results.append(graphed(x))
 
     with torch.no_grad():
-        graphed(x)                     # warmup in this thread
+        graphed(x)  # warmup in this thread
         worker = threading.Thread(target=capture_here)
         worker.start()
         worker.join()
         assert torch.equal(results[0], model(x)) and torch.equal(graphed(x), model(x))
-    row, = graphed.forward.stats()
+    (row,) = graphed.forward.stats()
     assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 3, 1, 2)
 
 
@@ -145,15 +149,14 @@ def test_another_thread_draws_from_its_own_generator_during_a_capture():
             time.sleep(2)  # a wide window (no shared Python object: that would be state)
         return x * 2
 
-    worker = threading.Thread(target=lambda: [step(torch.ones(3, device="cuda"))
-                                              for _ in range(3)])
+    worker = threading.Thread(target=lambda: [step(torch.ones(3, device="cuda")) for _ in range(3)])
     worker.start()
     try:
         deadline = time.monotonic() + 20
         while not _capture_in_progress():
             assert time.monotonic() < deadline, "the worker's capture never began"
         draw = torch.randn(4, device="cuda", generator=own)
-        assert _capture_in_progress()            # the draw was made during the capture
+        assert _capture_in_progress()  # the draw was made during the capture
     finally:
         worker.join()
     assert torch.equal(draw, torch.randn(4, device="cuda", generator=own.manual_seed(0)))
@@ -176,7 +179,7 @@ def test_replay_on_another_stream_is_ordered():
             out = f(x)
         torch.cuda.current_stream().wait_stream(stream)
         assert torch.equal(out, torch.sin(x) * 2 + x.flip(0))
-    assert states(f) == [("graphed", 6, 1, 5)]   # replays alternate between the two streams
+    assert states(f) == [("graphed", 6, 1, 5)]  # replays alternate between the two streams
 
 
 def test_on_stream_switches_the_stream_and_gives_the_caller_back_after_an_error():

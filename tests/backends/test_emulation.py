@@ -5,6 +5,7 @@ CUDA graph would do: no effect left by the capture, every effect on every replay
 numbers per replay, nothing kept alive that a CUDA graph would not keep; and, through the
 engine, HF code that asks whether the current stream is capturing.
 """
+
 import copy
 import dataclasses
 import gc
@@ -18,6 +19,7 @@ import autograph
 import autograph.testing
 from autograph.backends._cpu_graphs import CPU, CpuGraph, emulate_graphs_on_cpu, is_emulating
 from autograph.testing import emulate_graphs_on_cpu as public_emulate_graphs_on_cpu
+
 from conftest import autograph_warnings
 
 
@@ -37,7 +39,7 @@ def test_user_exception_goes_to_error_and_the_part_before_it_replays():
 
     result = CPU.capture(run, -1, CPU.new_pool(-1))
     assert isinstance(result.error, ValueError) and result.outputs is None
-    assert torch.equal(state, torch.zeros(3))   # the write before the exception is undone
+    assert torch.equal(state, torch.zeros(3))  # the write before the exception is undone
     result.graph.replay()
     assert torch.equal(state, torch.ones(3))
 
@@ -47,20 +49,20 @@ def test_in_place_writes_are_undone_by_the_capture_and_redone_by_every_replay():
     counter = torch.zeros(())
 
     def run():
-        state[0].add_(1)        # two views of one storage: both writes must be undone
+        state[0].add_(1)  # two views of one storage: both writes must be undone
         state[1].mul_(5).add_(2)
         counter.add_(1)
         return state.sum() + counter
 
     result = capture(run)
     assert torch.equal(state, torch.zeros(2, 3)) and counter.item() == 0
-    assert result.outputs.item() == 3 + 6 + 1      # the capture's result, as computed
+    assert result.outputs.item() == 3 + 6 + 1  # the capture's result, as computed
     result.graph.replay()
     assert state.tolist() == [[1, 1, 1], [2, 2, 2]] and counter.item() == 1
     assert result.outputs.item() == 3 + 6 + 1
     result.graph.replay()
     assert state.tolist() == [[2, 2, 2], [12, 12, 12]] and counter.item() == 2
-    assert result.outputs.item() == 6 + 36 + 2     # the graph rewrites its own output
+    assert result.outputs.item() == 6 + 36 + 2  # the graph rewrites its own output
 
 
 def test_replays_read_current_contents_of_preexisting_tensors():
@@ -88,7 +90,7 @@ def test_batch_norm_running_stats_are_updated_once_per_replay_as_eagerly(forward
     graphed_bn, eager_bn = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
     with torch.no_grad():
         result = capture(lambda: forward(graphed_bn, x))
-        assert torch.equal(graphed_bn.running_mean, torch.zeros(3))   # capture: no effect
+        assert torch.equal(graphed_bn.running_mean, torch.zeros(3))  # capture: no effect
         assert torch.equal(graphed_bn.running_var, torch.ones(3))
         assert graphed_bn.num_batches_tracked.item() == 0
         for _ in range(3):
@@ -134,7 +136,7 @@ def test_random_draws_match_eager_call_for_call_under_a_seed():
     generator.manual_seed(1)
     before_default, before_explicit = torch.get_rng_state(), generator.get_state()
     result = capture(lambda: random_step(x, generator), [generator])  # registered, as on CUDA
-    assert torch.equal(torch.get_rng_state(), before_default)     # the capture drew nothing
+    assert torch.equal(torch.get_rng_state(), before_default)  # the capture drew nothing
     assert torch.equal(generator.get_state(), before_explicit)
     graphed = []
     for _ in range(3):
@@ -143,7 +145,7 @@ def test_random_draws_match_eager_call_for_call_under_a_seed():
 
     for e, g in zip(eager, graphed):
         assert torch.equal(e, g)
-    assert not torch.equal(graphed[0], graphed[1])                  # fresh numbers per replay
+    assert not torch.equal(graphed[0], graphed[1])  # fresh numbers per replay
     assert torch.equal(torch.get_rng_state(), eager_default_state)
     assert torch.equal(generator.get_state(), eager_explicit_state)
 
@@ -161,9 +163,11 @@ def test_preexisting_tensors_are_held_weakly_and_a_replay_after_their_death_rais
     cache = torch.zeros(4)
     x = torch.randn(2, 4)
 
+    # The closure's cells are emptied by the del below (F821): nothing but the graph is left
+    # to hold the tensors.
     def run():
-        cache.add_(1)
-        return linear(x) + cache
+        cache.add_(1)  # noqa: F821
+        return linear(x) + cache  # noqa: F821
 
     with torch.no_grad():
         result = capture(run)
@@ -179,7 +183,7 @@ def test_preexisting_tensors_are_held_weakly_and_a_replay_after_their_death_rais
 def test_a_failed_replay_writes_nothing():
     state = torch.zeros(3)
     doomed = torch.ones(3)
-    result = capture(lambda: (state.add_(1), doomed * 2))
+    result = capture(lambda: (state.add_(1), doomed * 2))  # noqa: F821 (its cell is emptied)
     del doomed
     gc.collect()
     with pytest.raises(RuntimeError, match="freed since capture"):
@@ -192,7 +196,7 @@ def test_replacing_a_parameter_s_memory_is_detected():
     x = torch.randn(1, 3)
     with torch.no_grad():
         result = capture(lambda: linear(x))
-        linear.weight.data = torch.zeros(3, 3)    # the old memory is freed
+        linear.weight.data = torch.zeros(3, 3)  # the old memory is freed
     with pytest.raises(RuntimeError, match="freed since capture"):
         result.graph.replay()
 
@@ -200,7 +204,7 @@ def test_replacing_a_parameter_s_memory_is_detected():
 def test_memory_that_moved_is_detected():
     buffer = torch.ones(4)
     result = capture(lambda: buffer * 2)
-    buffer.resize_(1 << 16)       # reallocates: the graph's address is stale
+    buffer.resize_(1 << 16)  # reallocates: the graph's address is stale
     with pytest.raises(RuntimeError, match="moved since capture"):
         result.graph.replay()
 
@@ -209,15 +213,15 @@ def test_memory_made_during_the_capture_is_held_by_the_graph():
     x = torch.randn(3)
 
     def run():
-        hidden = x * 2          # pool memory that only the graph references
-        return hidden + torch.tensor([1.0, 2.0, 3.0])   # a constant made by torch.tensor
+        hidden = x * 2  # pool memory that only the graph references
+        return hidden + torch.tensor([1.0, 2.0, 3.0])  # a constant made by torch.tensor
 
     result = capture(run)
     output = weakref.ref(result.outputs)
     result.outputs = None
     gc.collect()
     assert output() is None
-    result.graph.replay()     # reads pool memory, which the graph keeps alive
+    result.graph.replay()  # reads pool memory, which the graph keeps alive
     assert result.memory_bytes > 0
 
 
@@ -255,8 +259,7 @@ def test_optimizer_step_is_undone_by_the_capture_and_replayed(foreach):
     for _ in range(3):
         result.graph.replay()
         eager_opt.step()
-        assert all(torch.allclose(g, e) for g, e in zip(graphed.parameters(),
-                                                        eager.parameters()))
+        assert all(torch.allclose(g, e) for g, e in zip(graphed.parameters(), eager.parameters()))
 
 
 def test_rrelu_output_is_produced_on_every_replay():
@@ -309,11 +312,11 @@ def test_in_place_metadata_changes_persist_and_views_share_memory():
 
     def run():
         matrix.t_()
-        flat.view(2, 3)[1].add_(1)          # through a view made during the capture
+        flat.view(2, 3)[1].add_(1)  # through a view made during the capture
         return matrix + 0
 
     result = capture(run)
-    assert matrix.shape == (3, 2)           # not undone: CPU-side, as on CUDA
+    assert matrix.shape == (3, 2)  # not undone: CPU-side, as on CUDA
     assert torch.equal(flat, torch.zeros(6))
     result.graph.replay()
     assert torch.equal(result.outputs, torch.arange(6.0).reshape(2, 3).t())
@@ -413,15 +416,20 @@ def test_a_recording_says_the_current_stream_is_capturing_as_cuda_does():
 
     outside = capturing()
     assert capture(capturing).outputs is True
-    assert capturing() is outside                       # only while recording
+    assert capturing() is outside  # only while recording
 
 
 def test_hf_bert_skips_its_padding_mask_read_while_recording_and_is_graphed(emulated, caught):
     """As tests/test_correctness_cuda.py's BERT test on CUDA: transformers reads the padding
     mask on the host (a sync the guard stops) unless a stream is capturing."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=256)
+    config = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=256,
+    )
     torch.manual_seed(0)
     model = transformers.BertModel(config).eval()
     graphed = autograph.graphed(copy.deepcopy(model))
@@ -433,7 +441,7 @@ def test_hf_bert_skips_its_padding_mask_read_while_recording_and_is_graphed(emul
         for _ in range(4):
             got = graphed(ids, attention_mask=mask).last_hidden_state
             assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
-    row, = autograph.stats(graphed)
+    (row,) = autograph.stats(graphed)
     assert (row.state, row.replays) == ("graphed", 3), row.fallback_reason
     assert autograph_warnings(caught) == []
 

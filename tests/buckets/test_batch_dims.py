@@ -1,11 +1,12 @@
 """Which output dims follow the batch (autograph/_batch_dims.py), from runs at several sizes."""
+
 import pytest
 import torch
 
 from autograph.buckets._batch_dims import BatchShapes, named_dims
-from autograph.capture._outputs import real_rows
 from autograph.buckets._buckets import BucketRule, family_key
 from autograph.capture._keys import call_key
+from autograph.capture._outputs import real_rows
 
 
 def shapes_of(runs, named=None):
@@ -16,8 +17,9 @@ def shapes_of(runs, named=None):
 
 
 def test_a_dim_of_the_run_size_at_two_sizes_follows_and_one_that_keeps_its_size_does_not():
-    shapes = shapes_of([(4, [torch.empty(2, 4, 5), torch.empty(4)]),
-                        (8, [torch.empty(2, 8, 5), torch.empty(4)])])
+    shapes = shapes_of(
+        [(4, [torch.empty(2, 4, 5), torch.empty(4)]), (8, [torch.empty(2, 8, 5), torch.empty(4)])]
+    )
     decision = shapes.decide(rows=3, bucket=4)
     assert decision.dims == ((1,), ()) and not decision.undecided and not decision.refused
     assert shapes.decide(rows=5, bucket=8).dims == ((1,), ())
@@ -27,7 +29,7 @@ def test_one_size_cannot_tell_a_dim_of_the_buckets_size():
     shapes = shapes_of([(4, [torch.empty(4, 3), torch.empty(4)])])
     decision = shapes.decide(rows=3, bucket=4)
     assert decision.dims is None and "dim 0 of output 0" in decision.undecided
-    assert shapes.decide(rows=4, bucket=4).dims == ((), ())    # nothing to slice
+    assert shapes.decide(rows=4, bucket=4).dims == ((), ())  # nothing to slice
 
 
 def test_one_size_decides_dims_that_cannot_be_the_batch():
@@ -48,15 +50,18 @@ def test_one_run_at_size_1_decides_no_dim():
 
 
 def test_an_unpadded_run_at_the_callers_size_is_evidence_too():
-    shapes = shapes_of([(3, [torch.empty(2, 3, 5), torch.empty(4)]),
-                        (4, [torch.empty(2, 4, 5), torch.empty(4)])])
+    shapes = shapes_of(
+        [(3, [torch.empty(2, 3, 5), torch.empty(4)]), (4, [torch.empty(2, 4, 5), torch.empty(4)])]
+    )
     assert shapes.decide(rows=3, bucket=4).dims == ((1,), ())
 
 
 def test_the_batch_flattened_into_another_dim_is_refused():
     decision = shapes_of([(4, [torch.empty(8)]), (8, [torch.empty(16)])]).decide(3, 4)
-    assert decision.dims is None and "dim 0 of output 0 changes with the batch size" in \
-        decision.refused
+    assert (
+        decision.dims is None
+        and "dim 0 of output 0 changes with the batch size" in decision.refused
+    )
 
 
 def test_a_python_value_that_follows_the_size_is_refused():
@@ -67,11 +72,16 @@ def test_a_python_value_that_follows_the_size_is_refused():
 
 
 def test_outputs_that_change_in_number_or_rank_are_refused():
-    assert "number or rank" in shapes_of([(4, [torch.empty(4)]), (8, [torch.empty(8, 1)])]) \
-        .decide(3, 4).refused
-    assert "number or rank" in shapes_of([(4, [torch.empty(4)]),
-                                          (8, [torch.empty(8), torch.empty(8)])]).decide(3, 4) \
+    assert (
+        "number or rank"
+        in shapes_of([(4, [torch.empty(4)]), (8, [torch.empty(8, 1)])]).decide(3, 4).refused
+    )
+    assert (
+        "number or rank"
+        in shapes_of([(4, [torch.empty(4)]), (8, [torch.empty(8), torch.empty(8)])])
+        .decide(3, 4)
         .refused
+    )
 
 
 def test_named_dims_decide_at_one_size_and_are_checked_against_each_run():
@@ -103,12 +113,11 @@ def test_keys_of_one_function_differ_only_in_their_per_bucket_state_share_a_fami
     def family(x, cache, rows=None):
         rule = BucketRule((4, 8), None)
         keyed = call_key((x, cache), {}, (), ["x", "cache"], ("cache",), ())
-        padding, _ = rule.padding(["x", "cache"], (x, cache), {}, keyed.tensors,
-                                  keyed.addressed)
+        padding, _ = rule.padding(["x", "cache"], (x, cache), {}, keyed.tensors, keyed.addressed)
         return family_key((x, cache), {}, (), ["x", "cache"], ("cache",), (), padding)
 
     four, eight = torch.zeros(4, 2), torch.zeros(8, 2)
     assert family(torch.ones(3, 2), four) == family(torch.ones(7, 2), eight)
-    assert family(torch.ones(3, 2), four)[1] is True       # it has per-bucket state
-    assert family(torch.ones(3, 2), four) != family(torch.ones(3, 5), four)   # other width
+    assert family(torch.ones(3, 2), four)[1] is True  # it has per-bucket state
+    assert family(torch.ones(3, 2), four) != family(torch.ones(3, 5), four)  # other width
     assert family(torch.ones(3, 2), four) != family(torch.ones(3, 2, dtype=torch.int64), four)

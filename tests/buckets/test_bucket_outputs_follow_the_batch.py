@@ -3,8 +3,10 @@ functions at several sizes, constant outputs beside batch outputs, bucket_output
 to the bucket by chance, reductions and flips over the batch, in-place writes, sizes read in
 Python, verify of the capture call.
 """
+
 import pytest
 import torch
+
 import autograph
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -60,7 +62,7 @@ def test_bucket_outputs_given(device):
 
 
 def test_bucket_output_dim0_equal_to_bucket_by_chance(device):
-    w = torch.randn(4, 6, device=device)   # 4 rows: the bucket size
+    w = torch.randn(4, 6, device=device)  # 4 rows: the bucket size
 
     @autograph.graphed(buckets=[4, 8])
     def f(x):

@@ -3,6 +3,7 @@ counts the pad rows, Python numbers made from the size after ``capture()``, a re
 marked graphed, capture()'s keys counted as churn, capture() keeping objects alive, a 0-row batch.
 
 Each test failed on the engine before the fix of its case (a9c0... on branch wrong-buckets)."""
+
 import gc
 import weakref
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import autograph
+
 from conftest import autograph_warnings
 
 
@@ -24,8 +26,7 @@ class Cache:
         self.kv = torch.zeros(rows, 2, device=device)
 
 
-def test_a_running_mean_that_would_count_the_pad_rows_runs_eagerly_with_the_reason(device,
-                                                                                    caught):
+def test_a_running_mean_that_would_count_the_pad_rows_runs_eagerly_with_the_reason(device, caught):
     # The mean moves by 1% of the batch's per call: a replay padded 3 -> 4 rows moves it by
     # 3/4 of that, well within 1% of the accumulated value, which the state check compared to.
     # It has 4 values, one per hidden unit, as many as the bucket has rows: the pad-row probe
@@ -49,8 +50,7 @@ def test_a_running_mean_that_would_count_the_pad_rows_runs_eagerly_with_the_reas
     assert "stats.mean" in row.fallback_reason and "what the call changed" in row.fallback_reason
 
 
-def test_a_running_mean_without_a_row_per_bucket_row_is_found_by_the_pad_row_probe(device,
-                                                                                   caught):
+def test_a_running_mean_without_a_row_per_bucket_row_is_found_by_the_pad_row_probe(device, caught):
     stats = torch.nn.Module()
     stats.register_buffer("mean", torch.full((5,), 100.0, device=device))
 
@@ -92,7 +92,7 @@ def test_state_that_the_pad_rows_leave_alone_stays_graphed(device):
 def _captured_with_per_bucket_state(returned, device):
     @autograph.graphed(buckets=[4, 8], static_argnames=("cache",))
     def store(x, cache):
-        cache.kv[:x.shape[0]] = x
+        cache.kv[: x.shape[0]] = x
         return x * 2, returned(x)
 
     caches = {4: Cache(4, device), 8: Cache(8, device)}
@@ -100,23 +100,24 @@ def _captured_with_per_bucket_state(returned, device):
     return store, caches
 
 
-@pytest.mark.parametrize("returned, value", [(lambda x: 1.0 / x.shape[0], lambda n: 1.0 / n),
-                                             (lambda x: x.shape[0], lambda n: n)],
-                         ids=["1/rows", "rows"])
-def test_a_number_made_from_the_size_after_capture_is_the_calls_own(device, caught, returned,
-                                                                    value):
+@pytest.mark.parametrize(
+    "returned, value",
+    [(lambda x: 1.0 / x.shape[0], lambda n: 1.0 / n), (lambda x: x.shape[0], lambda n: n)],
+    ids=["1/rows", "rows"],
+)
+def test_a_number_made_from_the_size_after_capture_is_the_calls_own(
+    device, caught, returned, value
+):
     store, caches = _captured_with_per_bucket_state(returned, device)
     reason = "output 1 is a Python value that changes with the batch size"
     # Refused at capture: the key of bucket 4 is eager, never marked graphed.
-    assert [(r.bucket, r.state) for r in autograph.stats(store)] == [(8, "graphed"),
-                                                                     (4, "eager")]
+    assert [(r.bucket, r.state) for r in autograph.stats(store)] == [(8, "graphed"), (4, "eager")]
     assert reason in autograph.stats(store)[1].fallback_reason
     for rows, bucket in ((3, 4), (5, 8), (3, 4), (5, 8)):
         x = torch.randn(rows, 2, device=device)
         out, number = store(x, caches[bucket])
         assert torch.equal(out, x * 2) and number == value(rows)
-    assert all(r.state == "eager" and reason in r.fallback_reason
-               for r in autograph.stats(store))
+    assert all(r.state == "eager" and reason in r.fallback_reason for r in autograph.stats(store))
     assert any(reason in w for w in autograph_warnings(caught))
 
 
@@ -139,7 +140,7 @@ def test_the_keys_of_capture_are_not_churn(device, caught):
 def test_capture_keeps_no_object_the_function_returns_alive(device):
     @autograph.graphed(buckets=[4, 8], static_argnames=("cache",), bucket_outputs=0)
     def store(x, cache):
-        cache.kv[:x.shape[0]] = x
+        cache.kv[: x.shape[0]] = x
         return x * 2, cache
 
     caches = {4: Cache(4, device), 8: Cache(8, device)}
@@ -181,7 +182,7 @@ def test_a_running_mean_beside_per_bucket_state_is_found_by_the_pad_row_probe(de
 
     @autograph.graphed(buckets=[4, 8], static_argnames=("cache",), bucket_outputs=0)
     def step(x, cache):
-        cache.kv[:x.shape[0]] = x[:, :2]
+        cache.kv[: x.shape[0]] = x[:, :2]
         stats.mean.mul_(0.99).add_(0.01 * x.mean(0))
         return x * 2
 

@@ -1,9 +1,11 @@
 """Serving shapes (docs/design.md, "Buckets"): buckets, arguments used by address, and capture ahead
 of time."""
+
 import pytest
 import torch
 
 import autograph
+
 from conftest import device_label, python_run_log
 
 
@@ -30,8 +32,7 @@ def test_calls_replay_the_graph_of_their_bucket_with_outputs_sliced_back(device)
     assert log_run.runs == [3, 4, 3, 1, 1]
     (four,) = [row for row in autograph.stats(scores) if row.bucket == 4]
     assert four.state == "graphed" and four.replays == 4
-    assert by_bucket(scores) == [(1, "graphed", 3, 2, {1: 3}),
-                                 (4, "graphed", 5, 4, {3: 3, 4: 2})]
+    assert by_bucket(scores) == [(1, "graphed", 3, 2, {1: 3}), (4, "graphed", 5, 4, {3: 3, 4: 2})]
     row = [r for r in scores.stats() if r.bucket == 4][0]
     assert row.key.startswith(f"x: f32[4, 5] {device_label(device)}")
     assert row.padding_waste == pytest.approx(4 * 5 / 17 - 1)
@@ -40,13 +41,13 @@ def test_calls_replay_the_graph_of_their_bucket_with_outputs_sliced_back(device)
 def test_a_sum_over_the_padded_batch_runs_eagerly_with_the_reason(device, caught):
     @autograph.graphed(buckets=[4])
     def total(x, w):
-        return (x @ w).sum()        # zero pad rows add nothing, but the probe cannot know
+        return (x @ w).sum()  # zero pad rows add nothing, but the probe cannot know
 
     w = torch.randn(5, 3, device=device)
     for _ in range(3):
         x = torch.randn(3, 5, device=device)
         assert torch.allclose(total(x, w), (x @ w).sum())
-    row, = total.stats()
+    (row,) = total.stats()
     assert row.state == "eager" and "mixes rows" in row.fallback_reason
 
 
@@ -58,8 +59,9 @@ def test_calls_above_the_largest_bucket_run_eagerly_and_say_so_once(device, caug
     for n in (5, 5, 6):
         x = torch.randn(n, device=device)
         assert torch.equal(double(x), x * 2)
-    messages = [str(w.message) for w in caught if issubclass(w.category,
-                                                             autograph.AutographWarning)]
+    messages = [
+        str(w.message) for w in caught if issubclass(w.category, autograph.AutographWarning)
+    ]
     assert len(messages) == 1 and "above the largest of buckets=[1, 2]" in messages[0]
     assert {r.state for r in double.stats()} == {"eager"}
 
@@ -79,13 +81,17 @@ def test_in_place_writes_reach_only_the_callers_real_rows(device):
 
 
 def test_explicit_bucket_args_pad_with_their_values(device):
-    @autograph.graphed(buckets=[8], bucket_args={"ids": 0, "mask": (0, -1)},
-                       static_argnames=("seen",), bucket_outputs=[0, None])
+    @autograph.graphed(
+        buckets=[8],
+        bucket_args={"ids": 0, "mask": (0, -1)},
+        static_argnames=("seen",),
+        bucket_outputs=[0, None],
+    )
     def masked(ids, mask, scale, seen):
-        seen.copy_(mask)            # per-bucket state: every run sees the padded arguments
+        seen.copy_(mask)  # per-bucket state: every run sees the padded arguments
         return ids * (mask > 0), scale * 2
 
-    scale = torch.ones(5, device=device)          # dim 0 of 5, but not named: not padded
+    scale = torch.ones(5, device=device)  # dim 0 of 5, but not named: not padded
     seen = torch.zeros(8, dtype=torch.long, device=device)
     for _ in range(3):
         ids = torch.arange(5, device=device)
@@ -93,7 +99,7 @@ def test_explicit_bucket_args_pad_with_their_values(device):
         seen.zero_()
         out, doubled = masked(ids, mask, scale, seen)
         assert torch.equal(out, ids) and doubled.shape == (5,)
-        assert seen.tolist() == [1] * 5 + [-1] * 3      # the three pad rows hold -1
+        assert seen.tolist() == [1] * 5 + [-1] * 3  # the three pad rows hold -1
     assert by_bucket(masked)[0][:4] == (8, "graphed", 3, 2)
 
 
@@ -102,10 +108,11 @@ def test_buckets_in_a_region_and_for_a_module(device):
     with torch.no_grad(), autograph.region(buckets=[2, 4]):
         for n in (1, 2, 3, 4, 3):
             x = torch.randn(n, 4, device=device)
-            assert torch.allclose(model(x), torch.nn.functional.linear(x, model.weight,
-                                                                        model.bias))
-    assert by_bucket(model) == [(2, "graphed", 2, 1, {1: 1, 2: 1}),
-                                (4, "graphed", 3, 2, {3: 2, 4: 1})]
+            assert torch.allclose(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
+    assert by_bucket(model) == [
+        (2, "graphed", 2, 1, {1: 1, 2: 1}),
+        (4, "graphed", 3, 2, {3: 2, 4: 1}),
+    ]
 
 
 def test_static_arguments_are_used_by_address(device):
@@ -119,10 +126,12 @@ def test_static_arguments_are_used_by_address(device):
         total = append(torch.ones(1, device=device), cache, torch.tensor([i], device=device))
         assert total.item() == i + 1
     assert torch.equal(cache, torch.tensor([1.0] * 5 + [0.0] * 3, device=device))
-    other = torch.zeros(8, device=device)          # a new address is a new key
+    other = torch.zeros(8, device=device)  # a new address is a new key
     append(torch.ones(1, device=device), other, torch.tensor([0], device=device))
     assert sorted((r.state, r.calls, r.replays) for r in append.stats()) == [
-        ("graphed", 5, 4), ("warmup", 1, 0)]
+        ("graphed", 5, 4),
+        ("warmup", 1, 0),
+    ]
 
 
 def test_capture_ahead_of_time_captures_every_bucket_and_leaves_no_effect(device):
@@ -140,20 +149,20 @@ def test_capture_ahead_of_time_captures_every_bucket_and_leaves_no_effect(device
     torch.manual_seed(0)
     rows = step.capture(torch.ones(3, 2, device=device), cache)
     assert [(r.bucket, r.state) for r in rows] == [(4, "graphed"), (2, "graphed"), (1, "graphed")]
-    assert log_run.runs == [4, 4, 2, 2, 1, 1]          # one warmup and one capture each
-    assert torch.equal(cache, torch.zeros(3, device=device))   # the warmups were taken back
-    out = step(torch.ones(3, 2, device=device), cache)          # a replay, first call
+    assert log_run.runs == [4, 4, 2, 2, 1, 1]  # one warmup and one capture each
+    assert torch.equal(cache, torch.zeros(3, device=device))  # the warmups were taken back
+    out = step(torch.ones(3, 2, device=device), cache)  # a replay, first call
     assert log_run.runs == [4, 4, 2, 2, 1, 1]
     assert torch.equal(cache, torch.full((3,), 6.0, device=device))
     assert out.shape == (3, 2)
-    if device == "cpu":        # the emulation draws as eager would; on CUDA, philox offsets
+    if device == "cpu":  # the emulation draws as eager would; on CUDA, philox offsets
         assert torch.equal(out, 2 + expected_noise)
 
 
 def test_an_output_whose_size_only_equals_the_bucket_is_not_sliced(device):
     @autograph.graphed(buckets=[4, 8])
     def transposed(x):
-        return x.t() * 2, x * 2         # hidden size 4 equals a bucket; the batch is dim 0 of x
+        return x.t() * 2, x * 2  # hidden size 4 equals a bucket; the batch is dim 0 of x
 
     for _ in range(4):
         x = torch.randn(3, 4, device=device)
@@ -166,14 +175,14 @@ def test_an_output_whose_size_only_equals_the_bucket_is_not_sliced(device):
 def test_a_sum_over_the_batch_of_the_buckets_size_runs_eagerly_with_the_reason(device, caught):
     @autograph.graphed(buckets=[4, 8])
     def pooled(x):
-        return x.sum(0), x * 2          # (4,): the hidden size, and a sum over the batch
+        return x.sum(0), x * 2  # (4,): the hidden size, and a sum over the batch
 
     for _ in range(4):
         x = torch.randn(3, 4, device=device)
         total, doubled = pooled(x)
         assert total.shape == (4,) and torch.allclose(total, x.sum(0))
         assert torch.equal(doubled, x * 2)
-    row, = pooled.stats()
+    (row,) = pooled.stats()
     assert row.state == "eager" and "mixes rows" in row.fallback_reason
 
 
@@ -182,7 +191,7 @@ def test_an_expanded_argument_that_is_not_padded(device):
     def add(x, bias):
         return x + bias
 
-    bias = torch.randn(1, 4, device=device).expand(3, 4)    # stride 0, dim 0 equals the batch
+    bias = torch.randn(1, 4, device=device).expand(3, 4)  # stride 0, dim 0 equals the batch
     for _ in range(3):
         x = torch.randn(3, 4, device=device)
         assert torch.equal(add(x, bias), x + bias)
@@ -198,9 +207,10 @@ def test_a_view_of_a_padded_argument_runs_eagerly_with_the_reason(device, caught
     for _ in range(3):
         x = torch.arange(12.0, device=device).view(3, 4)
         out = tail(x)
-        assert out.shape == (2, 4) and torch.equal(out, torch.arange(4.0, 12.0, device=device)
-                                                   .view(2, 4) * 2)
-    row, = tail.stats()
+        assert out.shape == (2, 4) and torch.equal(
+            out, torch.arange(4.0, 12.0, device=device).view(2, 4) * 2
+        )
+    (row,) = tail.stats()
     assert row.state == "eager" and "view of an argument padded to a bucket" in row.fallback_reason
 
 
@@ -209,7 +219,7 @@ def test_capture_ahead_of_time_pads_what_real_calls_pad(device):
     def project(x, w):
         return x @ w
 
-    w = torch.randn(4, 4, device=device)       # dim 0 is 4: equal to a bucket, never padded
+    w = torch.randn(4, 4, device=device)  # dim 0 is 4: equal to a bucket, never padded
     project.capture(torch.randn(8, 4, device=device), w)
     for _ in range(2):
         x = torch.randn(3, 4, device=device)
@@ -226,7 +236,7 @@ def test_capture_ahead_of_time_takes_back_writes_made_through_a_view(device):
     def step(x):
         out = linear(x)
         with torch.no_grad():
-            linear.weight.t().mul_(0.5)       # a write through a view of the weight
+            linear.weight.t().mul_(0.5)  # a write through a view of the weight
         return out
 
     with torch.no_grad():

@@ -2,11 +2,15 @@
 its own rows: row-wise random functions, size-dependent values, in-place functions written once,
 a bf16 MLP at every row count.
 """
+
 import copy
 import dataclasses
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import requires_cuda, states
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -51,9 +55,12 @@ ROW_WISE = {
 # one that "computes something from the batch size". Width 64 stays graphed (same draws): the
 # key's fate depends on the feature width. Emulation only: on CUDA, Philox draws element i from
 # thread i for these sizes, so the rows agree.
-@pytest.mark.xfail(strict=True, reason="_bucket_runs._verified_capture compares an eager draw "
-                   "of the call's rows with the replay's draw of the bucket's rows: a row-wise "
-                   "random function is sent eager, blamed on the batch size")
+@pytest.mark.xfail(
+    strict=True,
+    reason="_bucket_runs._verified_capture compares an eager draw "
+    "of the call's rows with the replay's draw of the bucket's rows: a row-wise "
+    "random function is sent eager, blamed on the batch size",
+)
 @pytest.mark.parametrize("width", [5, 6])
 def test_a_row_wise_random_function_under_buckets_stays_graphed(emulated, width):
     fn = autograph.graphed(_noisy, buckets=[4, 8])
@@ -67,8 +74,11 @@ def test_a_row_wise_random_function_under_buckets_stays_graphed(emulated, width)
 # differs from eager's with the same seed (docs/guide/serving.md says so: a known limit). Emulation
 # only here: on CUDA the Philox offset a draw takes is the same for 3 and 4 rows of a small
 # tensor.
-@pytest.mark.xfail(strict=True, reason="a bucketed graph draws for the bucket's rows: the "
-                   "generator ends as a run of the bucket leaves it (docs/guide/serving.md)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a bucketed graph draws for the bucket's rows: the "
+    "generator ends as a run of the bucket leaves it (docs/guide/serving.md)",
+)
 def test_a_bucketed_random_function_leaves_the_generator_as_eager_does(emulated):
     xs = [torch.zeros(3, 64) for _ in range(5)]
     fn = autograph.graphed(_noisy, buckets=[4, 8])
@@ -129,14 +139,17 @@ def test_a_bf16_mlp_stays_graphed_at_every_row_count_of_a_large_bucket():
     # The padded check runs at each row count's first replay: cuBLAS may pick other kernels
     # for other row counts, and a correct bf16 function must not be sent eager by that.
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
-                                torch.nn.Linear(2048, 512)).cuda().bfloat16()
+    model = (
+        torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+        .cuda()
+        .bfloat16()
+    )
     reference = copy.deepcopy(model)
     graphed = autograph.graphed(model, buckets=[64], check_payoff=False)
     with torch.no_grad():
         for n in [64, 64, *range(33, 64), 40, 50]:
             x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
             torch.testing.assert_close(graphed(x), reference(x), rtol=2e-2, atol=2e-2)
-    (state, calls, eager_calls, replays), = states(graphed)
+    ((state, calls, eager_calls, replays),) = states(graphed)
     assert (state, calls) == ("graphed", 35), autograph.stats(graphed)[0].fallback_reason
     assert replays >= 33

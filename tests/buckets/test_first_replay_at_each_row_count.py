@@ -2,11 +2,16 @@
 StaticCaches, per-bucket counters, stats counted once, random ops and in-place arguments,
 capture() then calls at several row counts, a dim 0 equal to the rows by chance.
 """
+
 import pytest
 import torch
+
 import autograph
-from conftest import states
-from conftest import python_run_log  # noqa: E402
+
+from conftest import (
+    python_run_log,  # noqa: E402
+    states,
+)
 
 pytestmark = pytest.mark.usefixtures("caught")
 
@@ -17,25 +22,35 @@ def _static_cache_decode_at_rows(device, rows_per_sequence, ahead):
     real rows with eager decoding on a cache of the sequence's real size; return the rows of
     stats() while the caches live (keys die with them)."""
     from helpers.models import cache_contents, tiny_llama_decoding
+
     prompt_len = 4
     llama = tiny_llama_decoding(device, prompt_len)
     tokens, decode, prefill, new_cache = llama.tokens, llama.decode, llama.prefill, llama.new_cache
 
-    step = autograph.graphed(decode, buckets=[4], bucket_args={"ids": 0},
-                             static_argnames=("cache",), bucket_outputs=0)
+    step = autograph.graphed(
+        decode, buckets=[4], bucket_args={"ids": 0}, static_argnames=("cache",), bucket_outputs=0
+    )
     with torch.inference_mode():
         cache = prefill(new_cache(), tokens(4, prompt_len))
         if ahead:
-            step.capture(tokens(4, 1), torch.tensor([prompt_len], device=device),
-                         autograph.per_bucket({4: cache}))
+            step.capture(
+                tokens(4, 1),
+                torch.tensor([prompt_len], device=device),
+                autograph.per_bucket({4: cache}),
+            )
         for batch in rows_per_sequence:
             prompt = tokens(batch, prompt_len)
             prefill(cache, torch.cat([prompt, prompt.new_zeros(4 - batch, prompt_len)]))
             reference = prefill(new_cache(), prompt)
             for i in range(3):
                 ids, pos = tokens(batch, 1), torch.tensor([prompt_len + i], device=device)
-                torch.testing.assert_close(step(ids, pos, cache), decode(ids, pos, reference),
-                                           rtol=1e-4, atol=1e-4, msg=f"{batch} rows, step {i}")
+                torch.testing.assert_close(
+                    step(ids, pos, cache),
+                    decode(ids, pos, reference),
+                    rtol=1e-4,
+                    atol=1e-4,
+                    msg=f"{batch} rows, step {i}",
+                )
                 for got, expected in zip(cache_contents(cache), cache_contents(reference)):
                     real = got[:batch] if got.dim() and got.shape[0] == 4 else got
                     torch.testing.assert_close(real, expected, msg=f"cache, {batch} rows")
@@ -56,7 +71,7 @@ def test_a_counter_written_in_place_per_bucket_counts_once_per_call_at_every_row
     @autograph.graphed(buckets=[4], static_argnames=("state",), bucket_outputs=0)
     def step(x, state):
         state["count"].add_(1)
-        state["acc"][:x.shape[0]] += x
+        state["acc"][: x.shape[0]] += x
         return x * state["count"]
 
     state = {"count": torch.zeros((), device=device), "acc": torch.zeros(4, 2, device=device)}
@@ -123,8 +138,10 @@ def test_capture_ahead_then_calls_at_several_row_counts_all_replay(device):
     for n in (3, 1, 3, 1, 2, 4):
         x = torch.randn(n, 3, device=device)
         torch.testing.assert_close(f(x), (x * 2).relu())
-    assert sorted((r.bucket, r.state, r.calls, r.eager_calls, r.replays) for r in f.stats()) \
-        == [(2, "graphed", 3, 0, 3), (4, "graphed", 3, 0, 3)]
+    assert sorted((r.bucket, r.state, r.calls, r.eager_calls, r.replays) for r in f.stats()) == [
+        (2, "graphed", 3, 0, 3),
+        (4, "graphed", 3, 0, 3),
+    ]
     assert log_run.runs[runs:] == [3, 1]  # each row count's first call checked, once
 
 

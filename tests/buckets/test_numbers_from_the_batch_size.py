@@ -1,17 +1,21 @@
 """Numbers a bucketed function computes from its batch size are never replayed wrong: through a
 shape, as a tensor, several of them.
 """
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
 
 
 SIZE_AS_VALUES = {
-    "torch.linspace(0, 1, n)": lambda x: x * torch.linspace(0, 1, x.shape[0],
-                                                            device=x.device).unsqueeze(1),
+    "torch.linspace(0, 1, n)": lambda x: (
+        x * torch.linspace(0, 1, x.shape[0], device=x.device).unsqueeze(1)
+    ),
     "torch.ones(n).sum()": lambda x: x * torch.ones(x.shape[0], device=x.device).sum(),
     "x.new_ones(n).cumsum(0)[-1]": lambda x: x * x.new_ones(x.shape[0]).cumsum(0)[-1],
 }

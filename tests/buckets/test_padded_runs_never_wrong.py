@@ -4,10 +4,12 @@ follows the batch, and functions whose real rows change with the padding are cau
 
 Each test failed on the engine of 70aa60d (issue 22); the wiring of ``_batch_dims``,
 ``_row_mixing`` and ``_bucket_runs`` makes them pass."""
+
 import pytest
 import torch
 
 import autograph
+
 from conftest import python_run_log, states
 from helpers.models import tiny_llama
 
@@ -18,6 +20,7 @@ def by_bucket(fn):
 
 # ---- (a) per-bucket state passed by static_argnames sees the padded arguments ----
 
+
 def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
     log_run = python_run_log()
     seen = log_run.runs
@@ -26,7 +29,7 @@ def test_every_run_of_a_bucketed_key_sees_the_padded_arguments(device):
     def store(x, cache):
         log_run((x.shape[0], cache.shape[0]))
         assert x.shape[0] == cache.shape[0], "per-bucket state of another size"
-        cache[:x.shape[0]] = x * 2
+        cache[: x.shape[0]] = x * 2
         return x + 1
 
     caches = {4: torch.zeros(4, 5, device=device), 8: torch.zeros(8, 5, device=device)}
@@ -49,8 +52,8 @@ def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caug
     @autograph.graphed(buckets=[4], static_argnames=("cache",), bucket_outputs=0)
     def store(x, cache):
         log_run(x.shape[0])
-        cache[:x.shape[0]] = x
-        if x.sum().item() > 1e9:       # a host read: this key runs eagerly
+        cache[: x.shape[0]] = x
+        if x.sum().item() > 1e9:  # a host read: this key runs eagerly
             return x * 0
         return x * 3
 
@@ -59,8 +62,8 @@ def test_the_eager_calls_of_a_bucketed_key_see_the_padded_arguments(device, caug
         x = torch.randn(3, 2, device=device)
         assert torch.equal(store(x, cache), x * 3)
         assert torch.equal(cache[:3], x)
-    assert seen == [4] * 5      # four calls, and the capture that found .item()
-    row, = store.stats()
+    assert seen == [4] * 5  # four calls, and the capture that found .item()
+    (row,) = store.stats()
     assert row.state == "eager" and ".item()" in row.fallback_reason
 
 
@@ -82,31 +85,38 @@ def test_hf_llama_decodes_with_one_static_cache_per_bucket(device):
         return logits
 
     def decode(ids, pos, cache):
-        return model(input_ids=ids, past_key_values=cache, cache_position=pos,
-                     use_cache=True).logits
+        return model(
+            input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True
+        ).logits
 
-    step = autograph.graphed(decode, buckets=buckets, bucket_args={"ids": 0},
-                             static_argnames=("cache",))
+    step = autograph.graphed(
+        decode, buckets=buckets, bucket_args={"ids": 0}, static_argnames=("cache",)
+    )
     caches = {b: new_cache() for b in buckets}
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for batch in (1, 3, 5, 8):
-            ids = torch.randint(0, config.vocab_size, (batch, prompt_len),
-                                generator=generator).to(device)
+            ids = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=generator).to(
+                device
+            )
             bucket = next(b for b in buckets if b >= batch)
-            caches[bucket].reset()         # in place: graphs read it by address
+            caches[bucket].reset()  # in place: graphs read it by address
             got = run(step, ids, caches[bucket])
             expected = run(decode, ids, new_cache())
             for g, e in zip(got, expected):
                 assert g.shape == e.shape
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     decode_keys = {r.bucket: r for r in step.stats() if "ids: i64[" in r.key and ", 1]" in r.key}
-    assert {b: r.state for b, r in decode_keys.items()} == {1: "graphed", 4: "graphed",
-                                                           8: "graphed"}
+    assert {b: r.state for b, r in decode_keys.items()} == {
+        1: "graphed",
+        4: "graphed",
+        8: "graphed",
+    }
     assert all(r.replays >= decode_steps - 2 for r in decode_keys.values())
 
 
 # ---- (c) outputs are sliced only where their dim follows the batch ----
+
 
 def test_an_output_whose_batch_is_not_in_dim_0_is_sliced_there(device):
     @autograph.graphed(buckets=[4, 8])
@@ -117,7 +127,7 @@ def test_an_output_whose_batch_is_not_in_dim_0_is_sliced_there(device):
         x = torch.randn(n, 5, device=device)
         out = twice(x)
         assert out.shape == (2, n, 5) and torch.equal(out, torch.stack([x, x]))
-    assert by_bucket(twice) == [(4, "graphed", 4, 3)]   # a warmup, the capture's replay, 2
+    assert by_bucket(twice) == [(4, "graphed", 4, 3)]  # a warmup, the capture's replay, 2
 
 
 def test_bucket_args_in_dim_1_slice_the_outputs_that_follow_it(device):
@@ -144,7 +154,7 @@ def test_an_output_that_only_equals_the_bucket_after_a_call_at_the_buckets_size(
         out, total = project(x, w)
         assert out.shape == (n, 4) and torch.allclose(out, x @ w)
         assert total.shape == (4,) and torch.allclose(total, w.sum(0))
-    row, = project.stats()
+    (row,) = project.stats()
     assert row.state == "graphed" and row.replays >= 2
 
 
@@ -165,10 +175,11 @@ def test_keys_made_by_capture_slice_only_what_follows_the_batch(device):
 
 # ---- (d) functions whose real rows change with the padding ----
 
+
 def _eager_with_the_reason_or_right(fn):
     """Every call was already checked against eager; here: the key ran eagerly with a reason,
     or it replayed its graph (made right)."""
-    row, = autograph.stats(fn)
+    (row,) = autograph.stats(fn)
     if row.state == "eager":
         assert row.fallback_reason
     else:
@@ -215,6 +226,7 @@ def test_a_returned_batch_size_is_eager_with_the_reason_or_right(device, caught)
 
 # ---- (e) verify checks the capture call's own (padded) result ----
 
+
 def test_verify_checks_the_result_of_the_capture_call_of_a_bucketed_key(device, caught):
     results = []
 
@@ -227,16 +239,17 @@ def test_verify_checks_the_result_of_the_capture_call_of_a_bucketed_key(device, 
         results.append((centre(x), x - x.mean(0)))
     for got, expected in results:
         torch.testing.assert_close(got, expected)
-    row, = centre.stats()
+    (row,) = centre.stats()
     assert row.state == "eager" and row.fallback_reason
 
 
 # ---- decision 3: per-bucket state whose output dims one padded run cannot tell ----
 
+
 def test_per_bucket_state_with_undecided_outputs_raises_naming_the_fixes(device):
     @autograph.graphed(buckets=[4], static_argnames=("cache",))
     def store(x, cache):
-        cache[:x.shape[0]] = x
+        cache[: x.shape[0]] = x
         return x + 1
 
     cache = torch.zeros(4, 5, device=device)

@@ -1,5 +1,6 @@
 """Padding telemetry of a bucketed function: per bucket its calls, real rows and pad rows in
 ``stats()`` and ``report()``, and ``suggest_buckets(max_graphs=k)``'s capture sizes (issue 38)."""
+
 import itertools
 
 import pytest
@@ -74,8 +75,11 @@ def test_the_programme_is_exact_against_every_choice():
         k = int(torch.randint(1, 5, (1,), generator=generator))
         got = best_buckets(histogram, k)
         largest = max(histogram)
-        best = min(_pad_rows(histogram, set(chosen) | {largest})
-                   for r in range(min(k, m)) for chosen in itertools.combinations(sizes, r))
+        best = min(
+            _pad_rows(histogram, set(chosen) | {largest})
+            for r in range(min(k, m))
+            for chosen in itertools.combinations(sizes, r)
+        )
         assert len(got) <= k and max(got) == largest and _pad_rows(histogram, got) == best
         ran = sum(s * n for s, n in histogram.items()) + best
         assert padding_share(histogram, got) == pytest.approx(best / ran)

@@ -1,8 +1,10 @@
-"""An argument that is, or is a view of, a module's buffer gives eager's results.
-"""
+"""An argument that is, or is a view of, a module's buffer gives eager's results."""
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -25,7 +27,7 @@ def test_argument_aliasing_a_modules_buffer(device):
         for _ in range(4):
             x = torch.randn(4, device=device)
             torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
-        out = g(m.acc)          # the argument is the buffer itself
+        out = g(m.acc)  # the argument is the buffer itself
         want = ref(ref.acc)
         torch.testing.assert_close(out, want, rtol=0, atol=0)
         torch.testing.assert_close(m.acc, ref.acc, rtol=0, atol=0)

@@ -1,5 +1,6 @@
 """Keys (docs/design.md, "Keys"): what makes two calls share a graph, and how a key reads in
 messages."""
+
 import collections
 import dataclasses
 import enum
@@ -10,6 +11,7 @@ import torch
 import autograph
 from autograph.capture._keys import call_key, describe_call, execution_state, unkeyable_reason
 from autograph.capture._outputs import flatten_output
+
 from conftest import states
 
 
@@ -21,12 +23,15 @@ def test_same_shapes_share_a_key_and_values_do_not_matter():
     assert key(torch.zeros(2, 3), torch.ones(3)) == key(torch.randn(2, 3), torch.randn(3))
 
 
-@pytest.mark.parametrize("other", [
-    torch.zeros(2, 4),                      # shape
-    torch.zeros(2, 3, dtype=torch.float64),  # dtype
-    torch.zeros(3, 2).t(),                  # strides
-    torch.zeros(2, 3, requires_grad=True),  # requires_grad
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        torch.zeros(2, 4),  # shape
+        torch.zeros(2, 3, dtype=torch.float64),  # dtype
+        torch.zeros(3, 2).t(),  # strides
+        torch.zeros(2, 3, requires_grad=True),  # requires_grad
+    ],
+)
 def test_shape_dtype_strides_and_requires_grad_change_the_key(other):
     assert key(torch.zeros(2, 3)) != key(other)
 
@@ -93,7 +98,8 @@ def test_a_set_is_keyed_by_value_and_other_unhashables_by_their_place():
     assert unkeyable_reason(key(torch.zeros(1), [bytearray(b"x")])) == (
         "its argument args[1][0] is an unhashable bytearray, which autograph can key neither by "
         "value nor by identity. Pass it as a tensor or a tuple, or bind it outside the graphed "
-        "function, to graph these calls")
+        "function, to graph these calls"
+    )
 
 
 def test_objects_hashed_by_identity_are_kept_alive():
@@ -112,8 +118,9 @@ def test_describe_reads_like_the_spec():
     assert text == "x: f32[8, 512] cpu, w: bf16[512, 512] cpu, n=3"
     with torch.no_grad():
         assert describe_call(["x"], (x,), {}, execution_state(False)).endswith("(no_grad, eval)")
-    nested = describe_call(["batch"], ({"ids": torch.zeros(2, dtype=torch.int64)},), {},
-                           execution_state(None))
+    nested = describe_call(
+        ["batch"], ({"ids": torch.zeros(2, dtype=torch.int64)},), {}, execution_state(None)
+    )
     assert nested == "batch['ids']: i64[2] cpu"
 
 
@@ -143,9 +150,8 @@ def test_a_dict_argument_whose_first_key_is_address_is_keyed_as_a_dict(device):
     sevens = {"address": torch.full((1,), 7.0, device=device), "u": 1, "v": 2}
     for _ in range(3):
         out = f(sevens, x)
-        assert out.shape == (3, 2) and torch.equal(out, x * 7)      # what eager gives
+        assert out.shape == (3, 2) and torch.equal(out, x * 7)  # what eager gives
     # Two keys, each warmed up once, captured, and replayed: graphs served both.
     assert states(f) == [("graphed", 3, 1, 2), ("graphed", 3, 1, 2)]
     keys = [row.key for row in f.stats()]
-    assert keys[0].startswith("m['address']: f32[5]") and keys[1].startswith(
-        "m['address']: f32[1]")
+    assert keys[0].startswith("m['address']: f32[5]") and keys[1].startswith("m['address']: f32[1]")

@@ -4,6 +4,7 @@ each rank saw as JSON (for test_ranks.py, which starts it in a subprocess with a
     python ranks_worker.py gloo 2 PORT OUT_DIR      # CPU processes, the CPU emulation
     python ranks_worker.py nccl 1 PORT OUT_DIR      # one GPU: NCCL captured, then torn down
 """
+
 import contextlib
 import datetime
 import json
@@ -26,8 +27,10 @@ CudaGraphs.payoff_clock = staticmethod(lambda device: None)
 
 def states(graphed):
     """Each key's (state, calls, eager calls, replays, fallback reason)."""
-    return [(s.state, s.calls, s.eager_calls, s.replays, s.fallback_reason)
-            for s in autograph.stats(graphed)]
+    return [
+        (s.state, s.calls, s.eager_calls, s.replays, s.fallback_reason)
+        for s in autograph.stats(graphed)
+    ]
 
 
 def scenarios(rank, device):
@@ -40,8 +43,9 @@ def scenarios(rank, device):
         dist.all_reduce(y)
         return y + 1
 
-    seen["reduced"] = [reduced(torch.full((4,), float(i + rank), device=device)).tolist()
-                       for i in range(4)]
+    seen["reduced"] = [
+        reduced(torch.full((4,), float(i + rank), device=device)).tolist() for i in range(4)
+    ]
     seen["reduced_states"] = states(reduced)
 
     @autograph.graphed
@@ -52,9 +56,10 @@ def scenarios(rank, device):
             y.sum().item()  # a host read on one rank only
         return y + 1
 
-    seen["diverging"] = [only_rank_1_reads(torch.full((4,), float(i + rank),
-                                                      device=device)).tolist()
-                         for i in range(4)]
+    seen["diverging"] = [
+        only_rank_1_reads(torch.full((4,), float(i + rank), device=device)).tolist()
+        for i in range(4)
+    ]
     seen["diverging_states"] = states(only_rank_1_reads)
 
     @autograph.graphed
@@ -110,8 +115,9 @@ def ddp_training(rank, device, graph):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
-                                torch.nn.Linear(16, 1)).to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1)).to(
+        device
+    )
     if graph:
         model = autograph.graphed(model)
     on_gpu = device.startswith("cuda")
@@ -133,8 +139,12 @@ def ddp_training(rank, device, graph):
 
 
 def run(rank, backend, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+    )
     device = "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -147,8 +157,9 @@ def run(rank, backend, world, port, out):
                 seen = scenarios(rank, device)
         else:
             seen = scenarios(rank, device)
-    seen["warnings"] = [str(w.message) for w in caught
-                        if issubclass(w.category, autograph.AutographWarning)]
+    seen["warnings"] = [
+        str(w.message) for w in caught if issubclass(w.category, autograph.AutographWarning)
+    ]
     # The teardown order docs/guide/several-gpus.md gives: graphs first, then the process group.
     autograph.reset()
     dist.destroy_process_group()

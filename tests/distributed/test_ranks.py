@@ -5,6 +5,7 @@ CPU processes with the gloo backend run the real engine through the CPU emulatio
 test captures collectives on one GPU. Tests on two or more GPUs are in the multi-GPU suite
 (they need a machine with several GPUs).
 """
+
 import json
 import os
 import socket
@@ -19,8 +20,10 @@ from conftest import requires_cuda
 WORKER = os.path.join(os.path.dirname(__file__), "ranks_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="needs torch.distributed with the gloo backend")
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed with the gloo backend",
+)
 
 
 def free_port():
@@ -31,9 +34,13 @@ def free_port():
 
 def run_ranks(tmp_path, backend, world):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, WORKER, backend, str(world), str(free_port()),
-                             str(tmp_path)], capture_output=True, text=True, timeout=240,
-                            env=env)
+    result = subprocess.run(
+        [sys.executable, WORKER, backend, str(world), str(free_port()), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
@@ -76,8 +83,10 @@ def test_ranks_replay_collectives_and_decide_alike(tmp_path):
 
 @pytest.mark.cuda
 @requires_cuda
-@pytest.mark.skipif(not (dist.is_available() and dist.is_nccl_available()),
-                    reason="needs torch.distributed with NCCL")
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_nccl_available()),
+    reason="needs torch.distributed with NCCL",
+)
 def test_nccl_collectives_are_captured_and_the_process_group_tears_down(tmp_path):
     (seen,) = run_ranks(tmp_path, "nccl", 1)
     assert seen["reduced"] == reduced_values(1, 4)

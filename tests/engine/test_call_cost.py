@@ -1,9 +1,11 @@
 """The shortened replay path (issue 23, item 4) keeps every check: fresh outputs for a lone
 tensor, written arguments copied back, aliasing arguments sent to eager, the last key's
 shortcut used and left when the arguments change."""
+
 import torch
 
 import autograph
+
 from conftest import states
 
 

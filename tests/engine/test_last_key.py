@@ -2,17 +2,20 @@
 (autograph/_last_key.py): a call that matches it skips ``call_key``; any difference the key
 holds (shape, strides, dtype, requires_grad, a tensor subclass, the number of arguments, grad
 mode, options) sends the call to the Python key, which finds or makes the right key."""
+
 import pytest
 import torch
 
 import autograph
 from autograph.engine import _engine, _last_key
+
 from conftest import states
 
 pytestmark = pytest.mark.skipif(
     _last_key._make_guards is None,
     reason="this torch has no usable torch._C._dynamo.guards.TensorGuards: every call is "
-           "keyed in Python")
+    "keyed in Python",
+)
 
 
 @pytest.fixture
@@ -24,6 +27,7 @@ def python_keys(monkeypatch):
     def counting(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
+
     monkeypatch.setattr(_engine, "call_key", counting)
     return count
 
@@ -46,13 +50,17 @@ def test_calls_of_the_last_key_replayed_skip_the_python_key(emulated, python_key
     assert states(f) == [("graphed", 10, 1, 9)]
 
 
-@pytest.mark.parametrize("other", [
-    lambda x: torch.randn(5, 3),                       # shape
-    lambda x: torch.randn(3, 4).t(),                   # strides
-    lambda x: x.double(),                              # dtype
-    lambda x: x.clone().requires_grad_(),              # requires_grad
-    lambda x: torch.nn.Parameter(x.clone()),           # a subclass
-], ids=["shape", "strides", "dtype", "requires_grad", "Parameter"])
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda x: torch.randn(5, 3),  # shape
+        lambda x: torch.randn(3, 4).t(),  # strides
+        lambda x: x.double(),  # dtype
+        lambda x: x.clone().requires_grad_(),  # requires_grad
+        lambda x: torch.nn.Parameter(x.clone()),  # a subclass
+    ],
+    ids=["shape", "strides", "dtype", "requires_grad", "Parameter"],
+)
 def test_a_call_the_guards_do_not_pass_gets_its_own_key(emulated, python_keys, other):
     @autograph.graphed
     def f(x):

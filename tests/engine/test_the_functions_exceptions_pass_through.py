@@ -2,35 +2,41 @@
 where it helps: frozen, attribute-refusing and slotted exceptions, KeyboardInterrupt and
 SystemExit, padded runs and captures.
 """
+
 import dataclasses
+
 import pytest
 import torch
+
 import autograph
-from helpers.modes import modes_on_the_stack
-from helpers.raising import capturing, raising_backward_at_capture
 from autograph import _scope
 from autograph.backends._cpu_graphs import emulate_graphs_on_cpu, is_emulating
+
+from helpers.modes import modes_on_the_stack
+from helpers.raising import capturing, raising_backward_at_capture
 from helpers.raising import capturing as _capturing
 
-
-
-needs_notes = pytest.mark.skipif(not hasattr(Exception, "add_note"),
-                                 reason="exception notes: Python >= 3.11")
+needs_notes = pytest.mark.skipif(
+    not hasattr(Exception, "add_note"), reason="exception notes: Python >= 3.11"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _FrozenError(Exception):
     """A frozen dataclass exception, as some libraries define theirs: no attribute can be set
     on it, ``__notes__`` included."""
+
     what: str
 
 
 def _cache_step(error):
     """A step with per-bucket state (the cache, by address) that raises ``error``: a
     callable that makes the exception, or one exception object raised again at each call."""
+
     def step(x, cache):
         cache[: x.shape[0]] += x
         raise error if isinstance(error, BaseException) else error()
+
     return step
 
 
@@ -47,8 +53,9 @@ def test_a_padded_run_raises_the_functions_own_exception_even_if_it_takes_no_not
 @needs_notes
 def test_an_exception_raised_again_at_each_call_carries_the_note_once(device):
     shared = ValueError("the cache is full")
-    fn = autograph.graphed(_cache_step(shared), buckets=[4], static_argnames=("cache",),
-                           bucket_outputs=0)
+    fn = autograph.graphed(
+        _cache_step(shared), buckets=[4], static_argnames=("cache",), bucket_outputs=0
+    )
     cache = torch.zeros(4, 5, device=device)
     for _ in range(3):
         with pytest.raises(ValueError) as raised:
@@ -60,6 +67,7 @@ def test_an_exception_raised_again_at_each_call_carries_the_note_once(device):
 def test_an_exception_that_takes_no_traceback_comes_out_of_a_capture_as_it_is(device):
     """Forward and backward captures: the context managers around the function's run let its
     exception through untouched (a generator one set its __traceback__, FrozenInstanceError)."""
+
     @autograph.graphed
     def step(x):
         if capturing():
@@ -84,9 +92,10 @@ def test_an_exception_that_takes_no_traceback_comes_out_of_a_capture_as_it_is(de
         for _ in range(3):
             train(x, w).backward()
     torch.testing.assert_close(w.grad, torch.full((3,), 6.0, device=device))
-    row, = train.stats()
-    assert row.state == "eager" and "_FrozenError: in the backward's capture" in \
-        row.fallback_reason, row.fallback_reason
+    (row,) = train.stats()
+    assert (
+        row.state == "eager" and "_FrozenError: in the backward's capture" in row.fallback_reason
+    ), row.fallback_reason
 
 
 @needs_notes
@@ -116,23 +125,28 @@ class _Slotted(Exception):
     __slots__ = ()
 
 
-EXCEPTIONS = {"frozen dataclass": lambda: _Frozen("x"),
-              "__setattr__ raises": lambda: _RefusesAttributes("y"),
-              "__slots__": lambda: _Slotted("z"), "KeyboardInterrupt": KeyboardInterrupt,
-              "SystemExit": lambda: SystemExit(3), "GeneratorExit": GeneratorExit}
+EXCEPTIONS = {
+    "frozen dataclass": lambda: _Frozen("x"),
+    "__setattr__ raises": lambda: _RefusesAttributes("y"),
+    "__slots__": lambda: _Slotted("z"),
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "SystemExit": lambda: SystemExit(3),
+    "GeneratorExit": GeneratorExit,
+}
 
 
 def _switch():
     """A flag the test sets between calls: a function's attributes are never a call's state."""
+
     def switch():
         return None
+
     switch.on = False
     return switch
 
 
 def _assert_clean():
-    assert modes_on_the_stack() == 0 and _scope.thread.regions == [] and \
-        _scope.thread.depth == 0
+    assert modes_on_the_stack() == 0 and _scope.thread.regions == [] and _scope.thread.depth == 0
 
 
 class _Block(torch.nn.Module):
@@ -162,6 +176,7 @@ def _phases(device, error):
             if switch.on:
                 raise error
             return x * 2
+
         switch = _switch()
         switch.on = True
         return lambda: f(rows), lambda: (setattr(switch, "on", False), f(rows))
@@ -175,6 +190,7 @@ def _phases(device, error):
             if switch.on and _capturing():
                 raise error
             return x * 2
+
         switch = _switch()
         f(x)
         switch.on = True
@@ -186,6 +202,7 @@ def _phases(device, error):
             if switch.on and not _capturing():
                 raise error
             return x * 2
+
         switch = _switch()
         f(x), f(x)
         switch.on = True
@@ -197,6 +214,7 @@ def _phases(device, error):
             if switch.on:
                 raise error
             return x * float(x.sum().item())  # a host read: the key runs eagerly
+
         switch = _switch()
         f(x), f(x)
         switch.on = True
@@ -210,6 +228,7 @@ def _phases(device, error):
         def f(x):
             y = block(x)
             return y * float(y.sum().item())
+
         f(x), f(x)
         switch.on = True
         return lambda: [f(x) for _ in range(3)], lambda: (setattr(switch, "on", False), f(x))
@@ -224,6 +243,7 @@ def _phases(device, error):
         def call():
             with torch.no_grad(), autograph.region():
                 block(x)
+
         return call, lambda: (setattr(switch, "on", False), call())
 
     def padded_warmup():
@@ -235,12 +255,19 @@ def _phases(device, error):
             if switch.on and cache.shape[0] == 2:
                 raise error
             return x * 2
+
         switch = _switch()
         switch.on = True
-        return (lambda: f.capture(torch.ones(3, 2, device=device),
-                                  autograph.per_bucket(lambda n: torch.zeros(n, device=device))),
-                lambda: (setattr(switch, "on", False),
-                         f(torch.ones(3, 2, device=device), torch.zeros(4, device=device))))
+        return (
+            lambda: f.capture(
+                torch.ones(3, 2, device=device),
+                autograph.per_bucket(lambda n: torch.zeros(n, device=device)),
+            ),
+            lambda: (
+                setattr(switch, "on", False),
+                f(torch.ones(3, 2, device=device), torch.zeros(4, device=device)),
+            ),
+        )
 
     def training_forward_capture():
         w = torch.ones(4, device=device, requires_grad=True)
@@ -250,6 +277,7 @@ def _phases(device, error):
             if switch.on and _capturing():
                 raise error
             return (x * w).sum()
+
         switch = _switch()
         f(x, w).backward()
         switch.on = True
@@ -257,22 +285,37 @@ def _phases(device, error):
 
     def compiled_capture():
         switch = _switch()
-        compiled = torch.compile(lambda x: (_raise_in_capture(error, switch), x * 2)[1],
-                                 backend="eager")
+        compiled = torch.compile(
+            lambda x: (_raise_in_capture(error, switch), x * 2)[1], backend="eager"
+        )
 
         @autograph.graphed
         def f(x):
             return compiled(x)
+
         f(x)
         switch.on = True
         return lambda: f(x), lambda: (setattr(switch, "on", False), f(x))
 
-    return {name: phase for name, phase in locals().items() if callable(phase)
-            and name not in ("x", "error", "device")}
+    return {
+        name: phase
+        for name, phase in locals().items()
+        if callable(phase) and name not in ("x", "error", "device")
+    }
 
 
-PHASES = ["warmup", "capture", "verify", "eager_key", "island_capture", "region_capture",
-          "padded_warmup", "ahead_per_bucket", "training_forward_capture", "compiled_capture"]
+PHASES = [
+    "warmup",
+    "capture",
+    "verify",
+    "eager_key",
+    "island_capture",
+    "region_capture",
+    "padded_warmup",
+    "ahead_per_bucket",
+    "training_forward_capture",
+    "compiled_capture",
+]
 
 
 # As a Ctrl-C arriving during the backward's capture.

@@ -1,6 +1,7 @@
 """The caches autograph.generate decodes over: a StaticCache of the caller's (its tokens, and
 the cache left as model.generate leaves it), batch sizes through buckets, and compile=True
 stacked under the graph."""
+
 import gc
 import weakref
 
@@ -17,25 +18,25 @@ OPTIONS = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 
-def test_a_callers_static_cache_gives_transformers_tokens_and_is_left_as_it_leaves_it(
-        emulated):
+def test_a_callers_static_cache_gives_transformers_tokens_and_is_left_as_it_leaves_it(emulated):
     transformers, config, model = tiny_decoder("llama")
     ids, mask = left_padded()
-    eos = [int(t) for t in model.generate(ids, attention_mask=mask, eos_token_id=None,
-                                          **OPTIONS)[:, 6 + 4]]   # rows end at their 5th
+    eos = [
+        int(t)
+        for t in model.generate(ids, attention_mask=mask, eos_token_id=None, **OPTIONS)[:, 6 + 4]
+    ]  # rows end at their 5th
     options = dict(OPTIONS, eos_token_id=eos)
     ours, theirs = (transformers.StaticCache(config=config, max_cache_len=40) for _ in range(2))
-    for _ in range(2):   # the caller resets the cache between calls; the graph is kept
+    for _ in range(2):  # the caller resets the cache between calls; the graph is kept
         ours.reset()
         theirs.reset()
-        got = autograph.generate(model, ids, attention_mask=mask, past_key_values=ours,
-                                 **options)
+        got = autograph.generate(model, ids, attention_mask=mask, past_key_values=ours, **options)
         expected = model.generate(ids, attention_mask=mask, past_key_values=theirs, **options)
         assert torch.equal(got, expected)
         for mine, its in zip(ours.layers, theirs.layers):
             assert int(mine.cumulative_length) == int(its.cumulative_length)
             assert torch.equal(mine.keys, its.keys) and torch.equal(mine.values, its.values)
-    row, = decode_steps()
+    (row,) = decode_steps()
     assert row.state == "graphed" and row.replays > 0
 
 
@@ -44,9 +45,8 @@ def test_a_callers_cache_too_short_for_the_call_runs_model_generate(emulated):
     ids, mask = left_padded()
     cache = transformers.StaticCache(config=config, max_cache_len=10)
     with pytest.warns(autograph.AutographWarning, match="StaticCache of 10 positions"):
-        with pytest.raises(Exception):   # what model.generate itself does with it
-            autograph.generate(model, ids, attention_mask=mask, past_key_values=cache,
-                               **OPTIONS)
+        with pytest.raises(Exception):  # what model.generate itself does with it
+            autograph.generate(model, ids, attention_mask=mask, past_key_values=cache, **OPTIONS)
 
 
 def test_buckets_serve_batch_sizes_from_a_few_graphs(emulated):
@@ -69,8 +69,9 @@ def test_compile_stacks_torch_compile_under_the_graph(emulated):
     ids, mask = left_padded()
     expected = model.generate(ids, attention_mask=mask, **OPTIONS)
     for _ in range(2):
-        got = autograph.generate(model, ids, attention_mask=mask,
-                                 compile={"backend": "aot_eager"}, **OPTIONS)
+        got = autograph.generate(
+            model, ids, attention_mask=mask, compile={"backend": "aot_eager"}, **OPTIONS
+        )
         assert torch.equal(got, expected)
     assert_graphed()
     torch._dynamo.reset()

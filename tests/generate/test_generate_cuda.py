@@ -1,5 +1,6 @@
 """autograph.generate on the GPU, with real CUDA graphs: Llama, Mistral (sliding window) and
 Gemma 3, greedy and seeded sampling against model.generate, in float32 and bfloat16."""
+
 import pytest
 import torch
 
@@ -9,8 +10,11 @@ from conftest import requires_cuda
 from helpers.generation import assert_graphed, decode_steps, left_padded
 from helpers.models import tiny_decoder
 
-pytestmark = [pytest.mark.cuda, requires_cuda,
-              pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")]
+pytestmark = [
+    pytest.mark.cuda,
+    requires_cuda,
+    pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+]
 
 
 def on_cuda(kind, dtype):
@@ -24,8 +28,9 @@ def same_shapes(transformers, config, model, ids, mask, **options):
     DynamicCache attends over the tokens so far, on the GPU often with another attention
     kernel, which in bf16 can round a near-tie the other way."""
     cache = transformers.StaticCache(config=config, max_cache_len=64)
-    return model.generate(ids, attention_mask=mask, past_key_values=cache,
-                          disable_compile=True, **options)
+    return model.generate(
+        ids, attention_mask=mask, past_key_values=cache, disable_compile=True, **options
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -37,12 +42,12 @@ def test_greedy_tokens_equal_transformers_on_cuda(kind, dtype):
     for _ in range(2):
         for rows in (1, 3):
             got = autograph.generate(model, ids[:rows], attention_mask=mask[:rows], **options)
-            expected = same_shapes(transformers, config, model, ids[:rows], mask[:rows],
-                                   **options)
+            expected = same_shapes(transformers, config, model, ids[:rows], mask[:rows], **options)
             assert torch.equal(got, expected), (rows, got, expected)
-            if dtype == torch.float32:   # and the default path's tokens too
-                assert torch.equal(got, model.generate(ids[:rows], attention_mask=mask[:rows],
-                                                       **options))
+            if dtype == torch.float32:  # and the default path's tokens too
+                assert torch.equal(
+                    got, model.generate(ids[:rows], attention_mask=mask[:rows], **options)
+                )
     assert len(decode_steps()) == 2
     assert_graphed()
 
@@ -53,8 +58,15 @@ def test_seeded_sampling_draws_transformers_tokens_on_cuda(kind):
     # a replay advances the generator by what the captured kernels consumed.
     transformers, config, model = on_cuda(kind, torch.float32)
     ids, mask = (t.cuda() for t in left_padded())
-    options = dict(max_new_tokens=16, do_sample=True, top_k=20, top_p=0.9, temperature=0.8,
-                   repetition_penalty=1.2, pad_token_id=0)
+    options = dict(
+        max_new_tokens=16,
+        do_sample=True,
+        top_k=20,
+        top_p=0.9,
+        temperature=0.8,
+        repetition_penalty=1.2,
+        pad_token_id=0,
+    )
     for seed in range(3):
         torch.manual_seed(seed)
         expected = same_shapes(transformers, config, model, ids, mask, **options)
@@ -63,15 +75,25 @@ def test_seeded_sampling_draws_transformers_tokens_on_cuda(kind):
         assert torch.equal(got, expected), (seed, got, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="on the H200 with transformers 5.17 a logits processor "
-                   "of the sampled step computes with a CPU tensor (logits_process.py:534), so "
-                   "the guard runs the sampled decode step eagerly; greedy steps are graphed")
+@pytest.mark.xfail(
+    strict=True,
+    reason="on the H200 with transformers 5.17 a logits processor "
+    "of the sampled step computes with a CPU tensor (logits_process.py:534), so "
+    "the guard runs the sampled decode step eagerly; greedy steps are graphed",
+)
 @pytest.mark.parametrize("kind", ["llama"])
 def test_the_sampled_decode_step_is_graphed_on_cuda(kind):
     transformers, config, model = on_cuda(kind, torch.float32)
     ids, mask = (t.cuda() for t in left_padded())
-    options = dict(max_new_tokens=16, do_sample=True, top_k=20, top_p=0.9, temperature=0.8,
-                   repetition_penalty=1.2, pad_token_id=0)
+    options = dict(
+        max_new_tokens=16,
+        do_sample=True,
+        top_k=20,
+        top_p=0.9,
+        temperature=0.8,
+        repetition_penalty=1.2,
+        pad_token_id=0,
+    )
     for seed in range(3):
         torch.manual_seed(seed)
         autograph.generate(model, ids, attention_mask=mask, **options)
@@ -83,6 +105,6 @@ def test_the_decode_step_is_graphed_on_the_models_own_gpu():
     ids = left_padded(rows=1)[0].cuda()
     autograph.generate(model, ids, max_new_tokens=8, do_sample=False)
     autograph.generate(model, ids, max_new_tokens=8, do_sample=False)
-    row, = decode_steps()
+    (row,) = decode_steps()
     assert "cuda" in row.key and row.graph_bytes >= 0
     assert_graphed()

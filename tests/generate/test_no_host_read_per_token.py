@@ -1,6 +1,7 @@
 """The host reads a value of the device only every check_every tokens: the decode loop's host
 reads grow by one per check, not per token (on the CPU, counted as calls that read a tensor's
 value: .item(), bool(t), int(t)...; on the GPU, by torch's sync debug mode)."""
+
 import warnings
 
 import pytest
@@ -16,9 +17,10 @@ from helpers.models import tiny_decoder
 def host_reads(model, ids, mask, new_tokens, check_every):
     options = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[3], pad_token_id=0)
     with HostReads() as reads:
-        tokens = autograph.generate(model, ids, attention_mask=mask, check_every=check_every,
-                                    **options)
-    assert tokens.shape[1] == ids.shape[1] + new_tokens   # no row ended: every step ran
+        tokens = autograph.generate(
+            model, ids, attention_mask=mask, check_every=check_every, **options
+        )
+    assert tokens.shape[1] == ids.shape[1] + new_tokens  # no row ended: every step ran
     return reads.count
 
 
@@ -27,7 +29,7 @@ def test_host_reads_grow_by_one_per_check_not_per_token(check_every, emulated):
     _, _, model = tiny_decoder("llama")
     model.generation_config.eos_token_id = None
     ids, mask = left_padded()
-    host_reads(model, ids, mask, 9, check_every)       # warms up and captures the step
+    host_reads(model, ids, mask, 9, check_every)  # warms up and captures the step
     short, long = (host_reads(model, ids, mask, n, check_every) for n in (9, 41))
     # 8 and 40 decode steps: a check after each chunk of check_every but the last.
     assert long - short == 40 // check_every - 1 - (8 // check_every - 1)
@@ -48,8 +50,9 @@ def test_the_decode_loop_makes_no_synchronising_call_per_token_on_cuda():
         try:
             with warnings.catch_warnings(record=True) as records:
                 warnings.simplefilter("always")
-                autograph.generate(model, ids, attention_mask=mask,
-                                   max_new_tokens=new_tokens, **options)
+                autograph.generate(
+                    model, ids, attention_mask=mask, max_new_tokens=new_tokens, **options
+                )
         finally:
             torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(r.message) for r in records)

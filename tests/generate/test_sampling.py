@@ -2,6 +2,7 @@
 (temperature, top-k, top-p, min-p, the repetition penalty, rows ending on their own), through
 the emulation's graphs; with buckets the draws are made for the bucket's rows, so the tokens
 differ and the distribution is the same (checked statistically)."""
+
 import pytest
 import torch
 
@@ -31,12 +32,16 @@ def seeded(call, seed):
 def test_seeded_sampling_draws_transformers_tokens(name, emulated):
     _, _, model = tiny_decoder("llama")
     ids, mask = left_padded()
-    options = dict(dict(do_sample=True, top_k=0), **SAMPLING[name], max_new_tokens=16,
-                   eos_token_id=[5, 7, 11], pad_token_id=0)
-    for seed in range(3):   # the first call warms up and captures; the next ones replay
+    options = dict(
+        dict(do_sample=True, top_k=0),
+        **SAMPLING[name],
+        max_new_tokens=16,
+        eos_token_id=[5, 7, 11],
+        pad_token_id=0,
+    )
+    for seed in range(3):  # the first call warms up and captures; the next ones replay
         expected = seeded(lambda: model.generate(ids, attention_mask=mask, **options), seed)
-        got = seeded(lambda: autograph.generate(model, ids, attention_mask=mask, **options),
-                     seed)
+        got = seeded(lambda: autograph.generate(model, ids, attention_mask=mask, **options), seed)
         assert torch.equal(got, expected), (seed, got, expected)
     assert_graphed()
 
@@ -70,17 +75,22 @@ def test_with_buckets_the_tokens_follow_the_same_distribution(emulated):
     # a chi-square test per position against transformers' own samples of the same size.
     _, _, model = tiny_decoder("llama")
     prompt = left_padded(rows=1, length=4)[0].expand(120, 4)
-    options = dict(do_sample=True, temperature=3.0, top_k=8, max_new_tokens=5,
-                   eos_token_id=None)
+    options = dict(do_sample=True, temperature=3.0, top_k=8, max_new_tokens=5, eos_token_id=None)
     expected = seeded(lambda: model.generate(prompt, **options), 0)[:, 4:]
     got = seeded(lambda: autograph.generate(model, prompt, buckets=[128], **options), 0)[:, 4:]
     assert got.shape == expected.shape and not torch.equal(got, expected)
     assert_graphed()
-    for position in range(1, 5):   # the first token is drawn at the prefill, the rest replayed
+    for position in range(1, 5):  # the first token is drawn at the prefill, the rest replayed
         a, b = (torch.bincount(t[:, position], minlength=256) for t in (got, expected))
         assert _homogeneity_p_value(a, b) > 1e-3, (position, a, b)
     # The test can tell distributions apart: greedy tokens against these samples.
-    greedy = autograph.generate(model, prompt, buckets=[128], max_new_tokens=5,
-                                do_sample=False, eos_token_id=None)[:, 4:]
-    assert _homogeneity_p_value(torch.bincount(greedy[:, 2], minlength=256),
-                                torch.bincount(expected[:, 2], minlength=256)) < 1e-6
+    greedy = autograph.generate(
+        model, prompt, buckets=[128], max_new_tokens=5, do_sample=False, eos_token_id=None
+    )[:, 4:]
+    assert (
+        _homogeneity_p_value(
+            torch.bincount(greedy[:, 2], minlength=256),
+            torch.bincount(expected[:, 2], minlength=256),
+        )
+        < 1e-6
+    )

@@ -1,5 +1,6 @@
 """What autograph.generate does not serve runs model.generate as it is, with one
 AutographWarning naming the option: never a silent difference."""
+
 import sys
 
 import pytest
@@ -32,21 +33,38 @@ def _unserved(model):
     model(input_ids=torch.tensor([[4, 5]]), past_key_values=used, use_cache=True)
     return {
         "num_beams": (dict(num_beams=2), "num_beams=2"),
-        "num_return_sequences": (dict(do_sample=True, num_return_sequences=2),
-                                 "num_return_sequences=2"),
-        "return_dict_in_generate": (dict(return_dict_in_generate=True, output_scores=True),
-                                    "return_dict_in_generate"),
+        "num_return_sequences": (
+            dict(do_sample=True, num_return_sequences=2),
+            "num_return_sequences=2",
+        ),
+        "return_dict_in_generate": (
+            dict(return_dict_in_generate=True, output_scores=True),
+            "return_dict_in_generate",
+        ),
         "streamer": (dict(streamer=Collecting()), "streamer"),
-        "logits_processor": (dict(logits_processor=transformers.LogitsProcessorList(
-            [transformers.NoRepeatNGramLogitsProcessor(2)])), "logits_processor"),
-        "stopping_criteria": (dict(stopping_criteria=transformers.StoppingCriteriaList(
-            [transformers.MaxTimeCriteria(60.0)])), "stopping_criteria"),
+        "logits_processor": (
+            dict(
+                logits_processor=transformers.LogitsProcessorList(
+                    [transformers.NoRepeatNGramLogitsProcessor(2)]
+                )
+            ),
+            "logits_processor",
+        ),
+        "stopping_criteria": (
+            dict(
+                stopping_criteria=transformers.StoppingCriteriaList(
+                    [transformers.MaxTimeCriteria(60.0)]
+                )
+            ),
+            "stopping_criteria",
+        ),
         "no_repeat_ngram_size": (dict(no_repeat_ngram_size=2), "NoRepeatNGramLogitsProcessor"),
         "max_time": (dict(max_time=60.0), "MaxTimeCriteria"),
-        "a DynamicCache": (dict(past_key_values=transformers.DynamicCache(config=config)),
-                           "DynamicCache"),
-        "a cache with sliding layers": (dict(past_key_values=sliding),
-                                        "StaticSlidingWindowLayer"),
+        "a DynamicCache": (
+            dict(past_key_values=transformers.DynamicCache(config=config)),
+            "DynamicCache",
+        ),
+        "a cache with sliding layers": (dict(past_key_values=sliding), "StaticSlidingWindowLayer"),
         "a cache holding tokens": (dict(past_key_values=used), "holds tokens already"),
         "use_cache=False": (dict(use_cache=False), "use_cache=False"),
         "prefill_chunk_size": (dict(prefill_chunk_size=2), "prefill_chunk_size=2"),
@@ -54,15 +72,26 @@ def _unserved(model):
     }
 
 
-CASES = ["num_beams", "num_return_sequences", "return_dict_in_generate", "streamer",
-         "logits_processor", "stopping_criteria", "no_repeat_ngram_size", "max_time",
-         "a DynamicCache", "a cache with sliding layers", "a cache holding tokens",
-         "use_cache=False", "prefill_chunk_size", "a model argument"]
+CASES = [
+    "num_beams",
+    "num_return_sequences",
+    "return_dict_in_generate",
+    "streamer",
+    "logits_processor",
+    "stopping_criteria",
+    "no_repeat_ngram_size",
+    "max_time",
+    "a DynamicCache",
+    "a cache with sliding layers",
+    "a cache holding tokens",
+    "use_cache=False",
+    "prefill_chunk_size",
+    "a model argument",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_an_unserved_option_runs_model_generate_with_one_warning_naming_it(case, emulated,
-                                                                         caught):
+def test_an_unserved_option_runs_model_generate_with_one_warning_naming_it(case, emulated, caught):
     _, _, model = tiny_decoder("llama")
     ids, mask = left_padded()
     options, named = _unserved(model)[case]
@@ -75,7 +104,7 @@ def test_an_unserved_option_runs_model_generate_with_one_warning_naming_it(case,
     assert len(messages) == 1 and named in messages[0], messages
     assert "runs model.generate as it is" in messages[0]
     if case in ("a cache holding tokens", "streamer"):
-        return   # the cache (the streamer) is not in the state a second call would need
+        return  # the cache (the streamer) is not in the state a second call would need
     torch.manual_seed(0)
     expected = model.generate(ids, attention_mask=mask, **common, **options)
     if case == "return_dict_in_generate":
@@ -85,8 +114,15 @@ def test_an_unserved_option_runs_model_generate_with_one_warning_naming_it(case,
 
 
 def test_an_encoder_decoder_model_runs_model_generate_with_one_warning(emulated, caught):
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
-                                   num_heads=4, decoder_start_token_id=0)
+    config = transformers.T5Config(
+        vocab_size=64,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(config).eval()
     ids = torch.randint(1, 64, (2, 5))

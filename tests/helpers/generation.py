@@ -1,5 +1,6 @@
 """What the tests of ``autograph.generate`` share: prompts, the decode step's stats rows, and a
 count of the host reads a call makes."""
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -13,7 +14,7 @@ def left_padded(rows=3, length=6, vocab=256, seed=1):
     ids = torch.randint(3, vocab, (rows, length), generator=generator)
     mask = torch.ones_like(ids)
     for row in range(rows):
-        mask[row, :min(2 * row, length - 1)] = 0
+        mask[row, : min(2 * row, length - 1)] = 0
     return ids.masked_fill(mask == 0, 0), mask
 
 

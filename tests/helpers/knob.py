@@ -8,6 +8,7 @@ and closure cells (``autograph/watch/_values_read.py``), so a planted fault ther
 caught before verify compares anything. A module's plain attributes are not read again (a
 documented limit): that is where verify's tests plant theirs.
 """
+
 import torch
 
 

@@ -1,8 +1,8 @@
-"""Probes of the dispatch-mode stack: which modes are on it, and which ops a mode saw.
-"""
-import torch
-from autograph.watch._modes import WHOLE, Observer
+"""Probes of the dispatch-mode stack: which modes are on it, and which ops a mode saw."""
 
+import torch
+
+from autograph.watch._modes import WHOLE, Observer
 
 
 def modes_on_the_stack():

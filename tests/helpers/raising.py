@@ -1,7 +1,6 @@
-"""Functions that raise at a chosen phase of a capture, and a probe of whether one is under way.
-"""
-import torch
+"""Functions that raise at a chosen phase of a capture, and a probe of whether one is under way."""
 
+import torch
 
 
 def capturing():
@@ -14,6 +13,7 @@ def capturing():
 def raising_backward_at_capture(make_error):
     """An autograd Function doubling its input whose backward raises ``make_error()`` while
     a capture runs it (and only then)."""
+
     class RaisingBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
@@ -24,4 +24,5 @@ def raising_backward_at_capture(make_error):
             if capturing():
                 raise make_error()
             return grad * 2
+
     return RaisingBackward

@@ -3,6 +3,7 @@
 Measured on the CPU with torch 2.9.1, 2.10.0, 2.11.0, 2.12.0 and 2.13.0; the floor is 2.9
 (``autograph._config.TORCH_FLOOR``).
 """
+
 import torch
 
 

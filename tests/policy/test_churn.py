@@ -1,5 +1,6 @@
 """The churn policy (autograph/_churn.py) on its own: when calls pass through, for how long,
 and what its report row says. The engine's use of it is tested in test_slower.py."""
+
 from types import SimpleNamespace
 
 from autograph.policy._churn import Churn
@@ -38,8 +39,13 @@ def test_calls_pass_through_after_a_window_of_new_keys_none_graphed():
     assert [cache.new_key(n) for n in range(4)] == [False, False, False, True]
     assert cache.pass_calls(20) == 8
     row = cache.churn.stats()
-    assert (row.function, row.state, row.calls, row.eager_calls, row.replays) == \
-        ("f", "eager", 8, 8, 0)
+    assert (row.function, row.state, row.calls, row.eager_calls, row.replays) == (
+        "f",
+        "eager",
+        8,
+        8,
+        0,
+    )
     assert "mask: i64[1, 2] cpu became mask: i64[1, 3] cpu" in row.fallback_reason
     assert "StaticCache" in row.fallback_reason
 

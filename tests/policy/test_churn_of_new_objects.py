@@ -2,11 +2,16 @@
 capture(), calls passed through that settle, generate() with a StaticCache, keys captured ahead
 that replay once or twice per request keep being graphed.
 """
+
 import pytest
 import torch
+
 import autograph
-from conftest import states
-from conftest import autograph_warnings  # noqa: E402
+
+from conftest import (
+    autograph_warnings,  # noqa: E402
+    states,
+)
 
 pytestmark = pytest.mark.usefixtures("caught")
 
@@ -94,7 +99,8 @@ def test_keys_captured_ahead_with_a_scratch_object_do_not_send_later_calls_throu
 
 
 def test_calls_passed_through_for_new_objects_are_graphed_again_once_one_object_is_reused(
-        device, caught):
+    device, caught
+):
     # Guards the looks: after a pass-through caused by a new object per call, reusing one
     # object must let its keys warm up, capture and replay again.
     fn = autograph.graphed(_forward)
@@ -126,6 +132,7 @@ def test_calls_passed_through_for_new_objects_are_graphed_again_once_one_object_
 def test_generate_with_a_static_cache_keeps_replaying_its_decode_step_on_the_emulation():
     pytest.importorskip("transformers")
     from helpers.models import static_generate_runs
+
     expected, runs = static_generate_runs(6)
     assert all(torch.equal(tokens, expected) for tokens, _ in runs)
     assert runs[0][1].replays >= 14

@@ -1,9 +1,12 @@
-"""A function whose keys churn and then settle ends graphed, as a function and in a region.
-"""
+"""A function whose keys churn and then settle ends graphed, as a function and in a region."""
+
 import copy
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import python_run_log
 from helpers.models import gelu_mlp
 

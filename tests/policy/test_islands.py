@@ -1,18 +1,21 @@
 """Islands (issue 24): a graphed function whose key runs eagerly still graphs the top-level module
 calls inside it, as a region would; results stay eager's."""
+
 import warnings
 
 import pytest
 import torch
 
 import autograph
+
 from conftest import autograph_warnings, states
 
 
 def _model(device):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(),
-                               torch.nn.Linear(8, 8)).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)).to(
+        device
+    )
 
 
 def _branchy(m):
@@ -21,6 +24,7 @@ def _branchy(m):
         if y.sum() > 0:  # a host read: f cannot be one graph
             y = y * 2
         return m(y)
+
     return f
 
 
@@ -51,7 +55,7 @@ def test_islands_can_be_turned_off(device, caught):
     m = _model(device)
     f = autograph.graphed(_branchy(m), islands=False)
     with torch.no_grad():
-        for i in range(6):
+        for _i in range(6):
             f(torch.randn(4, 8, device=device))
     assert _island_rows(f.stats()) == []
     assert states(f)[0][0] == "eager"
@@ -82,7 +86,7 @@ def test_a_graphed_module_that_falls_back_graphs_its_submodule_calls(device, cau
     reference = _branchy(model.inner)
     graphed = autograph.graphed(model)
     with torch.no_grad():
-        for i in range(6):
+        for _i in range(6):
             x = torch.randn(4, 8, device=device)
             torch.testing.assert_close(graphed(x), reference(x), rtol=0, atol=0)
     rows = graphed.forward.stats()
@@ -94,7 +98,7 @@ def test_the_global_report_lists_each_module_once(device, caught):
     m = _model(device)
     f = autograph.graphed(_branchy(m))
     with torch.no_grad():
-        for i in range(4):
+        for _i in range(4):
             f(torch.randn(4, 8, device=device))
     everything = autograph.stats()
     assert _island_rows(everything) == []
@@ -104,8 +108,14 @@ def test_the_global_report_lists_each_module_once(device, caught):
 def test_graphed_generate_gets_the_speed_of_generate_in_a_region(device):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=128, max_position_embeddings=64)
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device).eval()
     prompt = torch.randint(0, 128, (1, 5), device=device)

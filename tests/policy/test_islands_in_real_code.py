@@ -1,11 +1,15 @@
 """Islands in real code: a key that runs eagerly still graphs the module calls inside it, with
 eager's results (functions, methods, nested graphed functions, strict mode, threads, autograd).
 """
+
 import copy
 import threading
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 from helpers.models import gelu_mlp
 
@@ -22,6 +26,7 @@ def _host_read(m):
         if y.sum() > 0:
             y = y * 2
         return m(y)
+
     return f
 
 
@@ -120,7 +125,7 @@ def test_island_submodule_that_itself_falls_back(device):
     rows = autograph.stats(g)
     assert rows[0].state == "eager"
     islands = [s for s in rows if " > " in s.function]
-    assert any(s.replays for s in islands), rows   # the tail at least
+    assert any(s.replays for s in islands), rows  # the tail at least
 
 
 def test_island_threads(device):
@@ -139,6 +144,7 @@ def test_island_threads(device):
                         torch.testing.assert_close(f(x), w, rtol=0, atol=0)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
+
     threads = [threading.Thread(target=work) for _ in range(3)]
     for t in threads:
         t.start()

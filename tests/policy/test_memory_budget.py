@@ -1,5 +1,6 @@
 """``max_graph_memory=``: a function's graphs held within a memory budget, the least recently
 replayed dropped first (issue 38)."""
+
 import pytest
 import torch
 
@@ -75,7 +76,7 @@ def test_a_graph_over_the_whole_budget_runs_eagerly_with_both_figures(emulated):
     x = torch.randn(16, 16)
     for _ in range(3):
         assert torch.equal(fn(x), x * 2)
-    row, = fn.stats()
+    (row,) = fn.stats()
     assert row.state == "eager" and "more than max_graph_memory=" in row.fallback_reason
 
 

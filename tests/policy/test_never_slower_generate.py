@@ -1,11 +1,13 @@
 """Never slower than eager (issue 23; docs/design.md, "Never slower") for HF generate() in a region,
 through the emulation: tokens equal eager's, and what the engine did, call by call. These fail until
 the churn policy (autograph/_churn.py) is wired in and generate()'s own StaticCache is reused."""
+
 import pytest
 import torch
 
 import autograph
 from autograph.testing import emulate_graphs_on_cpu
+
 from conftest import autograph_warnings, requires_cuda
 from helpers.models import generate_in_a_region, generating_llama, static_generate_runs
 
@@ -29,16 +31,20 @@ def test_generate_with_the_default_cache_passes_through_once_its_keys_churn(padd
     first, last = runs[0][1], runs[-1][1]
     assert len(first.keys) >= 2  # it was keyed, and watched, before it passed through
     assert len(last.keys) <= 1 and last.captures == 0  # at most one look in the last call
-    row, = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
+    (row,) = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
     assert row.state == "eager" and row.calls > 0
     assert "never graphed" in row.fallback_reason
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 23.2: transformers 5.x generate() builds a new StaticCache on every call "
-    "(GenerationMixin._prepare_static_cache), and the model call's key holds the cache by "
-    "identity, so every generate() call makes a new prefill key and a new decode key, and "
-    "warms up and captures the decode step again"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "issue 23.2: transformers 5.x generate() builds a new StaticCache on every call "
+        "(GenerationMixin._prepare_static_cache), and the model call's key holds the cache by "
+        "identity, so every generate() call makes a new prefill key and a new decode key, and "
+        "warms up and captures the decode step again"
+    ),
+)
 def test_generate_with_a_static_cache_captures_once_and_replays_in_later_calls():
     expected, runs = static_generate_runs(3)
     assert all(torch.equal(tokens, expected) for tokens, _ in runs)
@@ -68,7 +74,7 @@ def test_a_new_cache_object_per_call_passes_through_after_three_calls(caught):
             regions.append(region.stats())
     assert [r.passed_through for r in regions] == [0, 0, 0, 1, 1, 1]
     assert [len(r.keys) for r in regions[:3]] == [1, 1, 1]  # keyed and watched, then not
-    row, = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
+    (row,) = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
     assert "died before they were called again" in row.fallback_reason
     messages = [m for m in autograph_warnings(caught) if "no graph replayed" in m]
     assert len(messages) == 1 and "a new object on each call" in messages[0]
@@ -85,11 +91,13 @@ def test_generate_with_cache_implementation_static_on_cuda_passes_through(caught
     with torch.inference_mode():
         runs = []
         for _ in range(5):
-            expected = model.generate(ids, max_new_tokens=16, do_sample=False,
-                                      cache_implementation="static")
+            expected = model.generate(
+                ids, max_new_tokens=16, do_sample=False, cache_implementation="static"
+            )
             with autograph.region() as region:
-                got = model.generate(ids, max_new_tokens=16, do_sample=False,
-                                     cache_implementation="static")
+                got = model.generate(
+                    ids, max_new_tokens=16, do_sample=False, cache_implementation="static"
+                )
             assert torch.equal(got, expected)
             runs.append(region.stats())
     assert all(r.captures == 0 for r in runs[3:]), runs

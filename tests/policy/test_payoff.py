@@ -1,5 +1,6 @@
 """The payoff measurer (autograph/_payoff.py) on its own, with plain numbers for the GPU
 clock (on the emulation timings mean nothing), and its CUDA clock on a GPU."""
+
 import io
 
 import pytest
@@ -9,6 +10,7 @@ import autograph
 from autograph.backends._cpu_graphs import CPU
 from autograph.backends._cuda_graphs import CudaClock
 from autograph.policy._payoff import EAGER, EAGER_RUN, GRAPH, REPLAY, Payoff, PendingTimings
+
 from conftest import autograph_warnings, python_run_log, requires_cuda, states
 
 
@@ -103,6 +105,7 @@ def test_the_cuda_clock_times_gpu_work_without_synchronising():
 
 # ---- through the engine, on the emulation, with a clock the test controls ----
 
+
 class PythonRunsClock:
     """Times a call as ``eager`` seconds if the function's Python ran during it (an eager
     run), else as ``replay`` seconds (a replay runs no Python): the engine's payoff logic,
@@ -138,25 +141,28 @@ def graphed_counting(python_runs, **options):
 @pytest.fixture
 def payoff_clock(emulated, monkeypatch):
     """Sets the emulation's payoff clock: returns a function making one with given timings."""
+
     def use(replay, eager):
         python_runs = python_run_log()
         monkeypatch.setattr(CPU, "clock", PythonRunsClock(python_runs, replay, eager))
         return python_runs
+
     return use
 
 
 def test_a_key_whose_replay_is_slower_than_eager_goes_eager_said_once_with_figures(
-        payoff_clock, caught):
+    payoff_clock, caught
+):
     python_runs = payoff_clock(replay=2e-3, eager=1e-3)
     f, g = graphed_counting(python_runs), None
     x = torch.arange(4.0)
     outputs = [f(x) for _ in range(20)]
     assert all(torch.equal(o, x * 2 + 1) for o in outputs)
-    (state, calls, eager_calls, replays), = states(f)
+    ((state, calls, eager_calls, replays),) = states(f)
     # warmup, capture (a replay), then 4 replays and 4 eager runs take turns; the 11th call
     # reads the verdict and every later call runs eagerly.
     assert (state, calls, replays, eager_calls) == ("eager", 20, 1 + 4, 1 + 4 + 10)
-    row, = f.stats()
+    (row,) = f.stats()
     assert row.gain == pytest.approx(0.5)
     assert "replay 2 ms, eager 1 ms (medians of 4 calls each" in row.fallback_reason
     assert "check_payoff=False" in row.fallback_reason
@@ -201,7 +207,7 @@ def test_verify_checks_come_before_the_payoff_is_measured(payoff_clock):
     f = graphed_counting(python_runs, verify=3)
     for _ in range(20):
         f(torch.ones(2))
-    row, = f.stats()
+    (row,) = f.stats()
     assert (row.state, row.verified, row.gain) == ("graphed", 3, pytest.approx(3.0))
     assert row.eager_calls == 1 + 4
 
@@ -240,7 +246,7 @@ def test_on_cuda_a_gpu_bound_key_is_measured_and_gets_a_verdict():
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     assert torch.allclose(out, expected, rtol=1e-3, atol=1e-3)
-    row, = f.stats()
+    (row,) = f.stats()
     assert row.gain is not None and row.state in ("graphed", "eager")
     assert (row.state == "eager") == (row.gain <= 1), row
 
@@ -259,7 +265,7 @@ def test_on_cuda_a_launch_bound_key_keeps_its_graph():
     for _ in range(60):
         f(x)
     torch.cuda.synchronize()
-    row, = f.stats()
+    (row,) = f.stats()
     assert row.state == "graphed" and row.gain > 2, row
 
 
@@ -279,4 +285,4 @@ def test_a_key_whose_graph_does_not_pay_gets_no_island(payoff_clock, caught):
         torch.testing.assert_close(f(x), layer(x) * 2)
     rows = f.stats()
     assert [r.state for r in rows] == ["eager"] and rows[0].gain == pytest.approx(0.5)
-    assert not any(" > " in r.function for r in rows)   # no island's rows
+    assert not any(" > " in r.function for r in rows)  # no island's rows

@@ -4,6 +4,7 @@ Python branch) are caught with the first differing output or state named, and th
 gets eager's results with the call's effects once; correct functions (an MLP, dropout, batch
 norm in training mode, an HF decode step) stay silent. CPU emulation and, through the
 ``device`` fixture, CUDA."""
+
 import collections
 import copy
 import dataclasses
@@ -13,6 +14,7 @@ import torch
 
 import autograph
 from autograph import _config
+
 from conftest import autograph_warnings, device_label, requires_cuda, states
 from helpers.knob import Knob
 
@@ -27,6 +29,7 @@ def only_warning(caught):
 
 # ---- planted faults ----
 
+
 def test_a_python_float_read_in_the_function_is_caught(device, caught):
     scale = Knob(1.0)
 
@@ -40,8 +43,10 @@ def test_a_python_float_read_in_the_function_is_caught(device, caught):
         hidden, output = f(x)
         assert torch.equal(output.logits, x * (i + 1)) and torch.equal(hidden, x)
     message = only_warning(caught)
-    assert message.startswith(f"{f.__qualname__}(x: f32[4] {device_label(device)}) runs "
-                              f"eagerly: verify: its replay differs from an eager run")
+    assert message.startswith(
+        f"{f.__qualname__}(x: f32[4] {device_label(device)}) runs "
+        f"eagerly: verify: its replay differs from an eager run"
+    )
     assert f"out[1].logits (f32[4] {device_label(device)}): max abs error 1 in 4 of 4" in message
     assert "a Python value it reads" in message and "Pass what changes as an argument" in message
     # warmup, capture (graph made with 2.0), then the first replay checked: 3.0 != 2.0
@@ -76,9 +81,9 @@ def test_a_branch_on_a_python_flag_set_between_calls_is_caught(device, caught):
     x = torch.zeros(3, device=device)
     results = []
     for i in range(5):
-        flip[0] = i % 2 == 1          # the capture (call 2) records the x - 1 branch
+        flip[0] = i % 2 == 1  # the capture (call 2) records the x - 1 branch
         results.append(f(x))
-    assert [r[0].item() for r in results] == [1, -1, 1, -1, 1]   # eager's, every call
+    assert [r[0].item() for r in results] == [1, -1, 1, -1, 1]  # eager's, every call
     message = only_warning(caught)
     assert "verify: its replay differs from an eager run" in message
     assert "max abs error 2" in message
@@ -86,8 +91,8 @@ def test_a_branch_on_a_python_flag_set_between_calls_is_caught(device, caught):
 
 
 def test_a_branch_on_a_python_counter_is_caught_at_capture_before_verify(device, caught):
-    # The function changes the counter: its capture sees that (docs/design.md, "Python state"), before any replay
-    # could be verified.
+    # The function changes the counter: its capture sees that (docs/design.md, "Python state"),
+    # before any replay could be verified.
     calls = [0]
 
     @autograph.graphed(verify=3)
@@ -97,7 +102,7 @@ def test_a_branch_on_a_python_counter_is_caught_at_capture_before_verify(device,
 
     x = torch.zeros(3, device=device)
     results = [f(x) for _ in range(5)]
-    assert [r[0].item() for r in results] == [1, -1, 1, -1, 1]   # eager's, every call
+    assert [r[0].item() for r in results] == [1, -1, 1, -1, 1]  # eager's, every call
     message = only_warning(caught)
     assert "(calls[0]: 1 -> 2)" in message and "its replay differs" not in message
     assert states(f) == [("eager", 5, 4, 1)]
@@ -114,9 +119,11 @@ def test_state_the_call_writes_is_compared_and_named(device, caught):
     f(x), f(x)
     scale[0] = 5.0
     assert f(x) is None
-    assert torch.equal(x, torch.full((4,), 5.0, device=device))   # eager's write, once
-    assert "x, which the call writes, holds other values after the replay: max abs error 4" \
+    assert torch.equal(x, torch.full((4,), 5.0, device=device))  # eager's write, once
+    assert (
+        "x, which the call writes, holds other values after the replay: max abs error 4"
         in only_warning(caught)
+    )
 
 
 def test_a_rebound_tensor_the_call_writes_is_named(device, caught):
@@ -131,8 +138,8 @@ def test_a_rebound_tensor_the_call_writes_is_named(device, caught):
     f(x), f(x)
     old = total
     total = torch.zeros(2, device=device)
-    assert torch.equal(f(x), x * 2)        # the outputs agree; the state written does not
-    assert torch.equal(total, x)           # eager's write, once
+    assert torch.equal(f(x), x * 2)  # the outputs agree; the state written does not
+    assert torch.equal(total, x)  # eager's write, once
     assert "total, which the call writes" in only_warning(caught)
     # The replay wrote into the old tensor, which eager never touches: that stays
     # (docs/guide/seeing.md, verify mode).
@@ -159,10 +166,12 @@ def test_strict_raises_after_leaving_eager_effects_once(device):
 
 # ---- silent where the graph is right ----
 
+
 def mlp(device):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
-                               torch.nn.Linear(32, 8)).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)).to(
+        device
+    )
 
 
 def test_an_mlp_is_verified_silently(device, caught):
@@ -173,7 +182,7 @@ def test_an_mlp_is_verified_silently(device, caught):
             x = torch.randn(4, 16, device=device)
             assert torch.equal(graphed(x), model(x))
     assert autograph_warnings(caught) == []
-    row, = autograph.stats(graphed)
+    (row,) = autograph.stats(graphed)
     assert (row.state, row.replays, row.verified) == ("graphed", 5, 3)
 
 
@@ -223,8 +232,9 @@ def test_writes_to_arguments_and_state_happen_once_per_checked_call(device):
     assert [(r.state, r.replays, r.verified) for r in f.stats()] == [("graphed", 4, 3)]
 
 
-def test_outputs_within_the_tolerance_pass_and_the_tolerance_can_be_loosened(device, caught,
-                                                                             monkeypatch):
+def test_outputs_within_the_tolerance_pass_and_the_tolerance_can_be_loosened(
+    device, caught, monkeypatch
+):
     scale = Knob(1.0)
 
     @autograph.graphed(verify=1)
@@ -235,7 +245,7 @@ def test_outputs_within_the_tolerance_pass_and_the_tolerance_can_be_loosened(dev
     x = torch.ones(3, device=device)
     f(x), f(x)
     scale[0] = 1.25
-    assert torch.equal(f(x), x)           # within atol=0.5: the graph's result, verified
+    assert torch.equal(f(x), x)  # within atol=0.5: the graph's result, verified
     assert autograph_warnings(caught) == []
     assert [(r.state, r.verified) for r in f.stats()] == [("graphed", 1)]
 
@@ -251,8 +261,9 @@ def test_integer_outputs_must_match_exactly(device, caught):
     f(x), f(x)
     offset[0] = 1
     assert torch.equal(f(x), x + 1)
-    assert "max abs error 1 in 3 of 3 elements (integers must match exactly)" \
-        in only_warning(caught)
+    assert "max abs error 1 in 3 of 3 elements (integers must match exactly)" in only_warning(
+        caught
+    )
 
 
 @dataclasses.dataclass
@@ -272,8 +283,9 @@ def test_non_tensor_outputs_are_compared_too(device, caught):
     f(x), f(x)
     label[0] = "b"
     assert f(x)["prediction"].label == "b"
-    assert "out['prediction'].label is 'b' in the eager run and 'a' in the replay" \
-        in only_warning(caught)
+    assert "out['prediction'].label is 'b' in the eager run and 'a' in the replay" in only_warning(
+        caught
+    )
 
 
 def test_only_the_first_n_replays_after_each_capture_are_checked(device):
@@ -287,7 +299,7 @@ def test_only_the_first_n_replays_after_each_capture_are_checked(device):
     for _ in range(4):
         f(x)
     scale[0] = 2.0
-    assert torch.equal(f(x), x)            # no longer checked: the graph's stale result
+    assert torch.equal(f(x), x)  # no longer checked: the graph's stale result
     assert [(r.state, r.replays, r.verified) for r in f.stats()] == [("graphed", 4, 1)]
 
 
@@ -313,8 +325,7 @@ def test_modules_in_a_region_are_verified_with_the_region_s_option(device, caugh
     with torch.no_grad(), autograph.region(verify=2) as region:
         for _ in range(4):
             model(torch.randn(2, 16, device=device))
-    assert [(r.state, r.replays, r.verified) for r in region.stats().keys] == [
-        ("graphed", 3, 2)]
+    assert [(r.state, r.replays, r.verified) for r in region.stats().keys] == [("graphed", 3, 2)]
     assert autograph_warnings(caught) == []
 
 
@@ -329,6 +340,7 @@ def test_verify_is_off_by_default(device):
 
 
 # ---- a real model, on a GPU ----
+
 
 @pytest.mark.cuda
 @requires_cuda
@@ -353,8 +365,9 @@ def test_hf_llama_decode_with_static_cache_verifies_silently(caught):
 
 def test_a_training_step_is_verified_and_trains_as_eagerly(device, caught):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3),
-                                torch.nn.Linear(8, 1)).to(device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1)
+    ).to(device)
     graphed = autograph.graphed(copy.deepcopy(model), verify=3)
     for m in (model, graphed):
         torch.manual_seed(1)
@@ -367,7 +380,8 @@ def test_a_training_step_is_verified_and_trains_as_eagerly(device, caught):
         assert torch.equal(a, b)
     assert autograph_warnings(caught) == []
     assert [(r.state, r.replays, r.verified) for r in autograph.stats(graphed)] == [
-        ("graphed", 5, 3)]
+        ("graphed", 5, 3)
+    ]
 
 
 def test_a_verified_call_writes_through_a_view_exactly_once(device):
@@ -381,14 +395,19 @@ def test_a_verified_call_writes_through_a_view_exactly_once(device):
     for _ in range(4):
         accumulate(torch.ones(2, device=device))
     assert torch.equal(acc, torch.tensor([4.0, 4.0, 0.0, 0.0], device=device))
-    row, = accumulate.stats()
+    (row,) = accumulate.stats()
     assert (row.state, row.verified) == ("graphed", 2)
 
 
 def test_an_hf_bert_encoder_served_with_buckets_verifies_silently(device, caught):
     transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=256)
+    config = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=256,
+    )
     torch.manual_seed(0)
     model = transformers.BertModel(config).to(device).eval()
     graphed = autograph.graphed(copy.deepcopy(model), buckets=[2, 4], verify=2)
@@ -406,5 +425,4 @@ def test_an_hf_bert_encoder_served_with_buckets_verifies_silently(device, caught
     # bucket 2: one call (its warmup); bucket 4: five calls, warmup, capture, three replays:
     # the capture call's own result, its first replay with pad rows (checked once whether or
     # not verify is on) and the first two replays checked against eager runs
-    assert [(r.bucket, r.state, r.verified) for r in rows] == [(2, "warmup", 0),
-                                                               (4, "graphed", 4)]
+    assert [(r.bucket, r.state, r.verified) for r in rows] == [(2, "warmup", 0), (4, "graphed", 4)]

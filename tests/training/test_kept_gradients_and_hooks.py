@@ -2,10 +2,14 @@
 AccumulateGrad node or a tensor hook registered after capture is not overwritten; accumulation,
 zero_grad in place and clipping equal eager.
 """
+
 import contextlib
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -13,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("caught")
 
 def _mlp(device):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(),
-                               torch.nn.Linear(4, 1)).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).to(
+        device
+    )
 
 
 def _kept_by_accumulator_hooks(device, graph, kind):
@@ -27,14 +32,18 @@ def _kept_by_accumulator_hooks(device, graph, kind):
     kept, nodes, step = {}, [], [0]
     # On CUDA the nodes are made on autograph's capture stream, as DDP is built there: a node
     # kept from the default stream makes a capture wait on it, and the key runs eagerly
-    streams = torch.cuda.stream(autograph.capture_stream()) if device == "cuda" else \
-        contextlib.nullcontext()
+    streams = (
+        torch.cuda.stream(autograph.capture_stream())
+        if device == "cuda"
+        else contextlib.nullcontext()
+    )
     with streams:
         nodes += [p.view_as(p).grad_fn.next_functions[0][0] for p in params]  # AccumulateGrad
     for i, (p, node) in enumerate(zip(params, nodes)):  # hooks live as long as the node
 
         def keep(incoming, i=i):
             kept[(step[0], i)] = incoming[0]
+
         if kind == "prehook":
             node.register_prehook(keep)
         else:

@@ -1,9 +1,12 @@
-"""A parameter the function returns as it is gets its gradient.
-"""
+"""A parameter the function returns as it is gets its gradient."""
+
 import copy
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")

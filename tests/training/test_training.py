@@ -1,5 +1,6 @@
 """Graphed training (docs/design.md, "Training graphs"): forward and backward graphs per key, and
 the whole step."""
+
 import contextlib
 
 import pytest
@@ -7,11 +8,12 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import autograph
+
 from conftest import autograph_warnings, requires_cuda, states
 from helpers.training import batches, grads_of, mlp, same
 
-
 # ---- forward and backward graphs per key ----
+
 
 def test_a_graphed_module_trains_bitwise_as_eager(device, caught):
     def train(wrap):
@@ -33,7 +35,7 @@ def test_a_graphed_module_trains_bitwise_as_eager(device, caught):
     for (loss_e, x_e, g_e), (loss_g, x_g, g_g) in zip(eager, graphed):
         assert torch.equal(loss_e, loss_g) and torch.equal(x_e, x_g) and same(g_e, g_g)
     assert states(model) == [("graphed", 8, 1, 7)]
-    row, = autograph.stats(model)
+    (row,) = autograph.stats(model)
     assert "requires_grad (train)" in row.key and row.capture_seconds > 0
     assert autograph_warnings(caught) == []
 
@@ -47,7 +49,7 @@ def test_gradients_accumulate_over_several_backward_passes(device, set_to_none):
         record = []
         for step in range(4):
             optimizer.zero_grad(set_to_none=set_to_none)
-            for x in data[3 * step:3 * step + 3]:       # three micro-batches per step
+            for x in data[3 * step : 3 * step + 3]:  # three micro-batches per step
                 (model(x).square().mean() / 3).backward()
                 record.append(grads_of(model))
             optimizer.step()
@@ -125,8 +127,13 @@ def test_a_graphed_method_trains_each_instance(device):
 def test_outputs_without_gradients_and_non_tensor_outputs_pass_through(device):
     def step(x, w):
         y = x @ w
-        return {"y": y, "z": y.sin(), "top": y.argmax(-1), "kind": "scores",
-                "frozen": y.detach() * 2}
+        return {
+            "y": y,
+            "z": y.sin(),
+            "top": y.argmax(-1),
+            "kind": "scores",
+            "frozen": y.detach() * 2,
+        }
 
     graphed = autograph.graphed(step)
     for fn in (step, graphed):
@@ -148,15 +155,15 @@ def test_retain_graph_and_autograd_grad_work(device):
     def run(wrap):
         model = wrap(mlp(device))
         x = batches(device, 1, requires_grad=True)[0]
-        out = model(x)                       # warmup
+        out = model(x)  # warmup
         out.sum().backward()
-        out = model(x)                       # capture
+        out = model(x)  # capture
         out.sum().backward(retain_graph=True)
-        again = model(x)                     # runs eagerly: out's backward may run again
+        again = model(x)  # runs eagerly: out's backward may run again
         out.sum().backward()
-        dx, = torch.autograd.grad(again.square().sum(), x)
-        later = model(x)                     # nothing pending: replays
-        dx_later, = torch.autograd.grad(later.square().sum(), x)
+        (dx,) = torch.autograd.grad(again.square().sum(), x)
+        later = model(x)  # nothing pending: replays
+        (dx_later,) = torch.autograd.grad(later.square().sum(), x)
         return model, grads_of(model), x.grad, dx, dx_later
 
     eager = run(lambda m: m)
@@ -181,7 +188,7 @@ def test_a_loop_that_keeps_the_last_loss_while_the_next_forward_runs_is_graphed(
             loss = model(x).square().mean()
             loss.backward()
             optimizer.step()
-            losses.append(loss)          # kept, with its autograd graph
+            losses.append(loss)  # kept, with its autograd graph
         return model, losses, [p.detach().clone() for p in model.parameters()]
 
     _, eager_losses, eager_params = train(lambda m: m)
@@ -196,7 +203,7 @@ def test_a_loop_that_keeps_the_last_loss_while_the_next_forward_runs_is_graphed(
 def test_an_autograd_graph_kept_from_before_autograph_is_named_with_the_fix(caught):
     model = mlp("cuda")
     x = batches("cuda", 1)[0]
-    kept = model(x).sum()    # eager, before autograph: its graph holds the parameters' nodes
+    kept = model(x).sum()  # eager, before autograph: its graph holds the parameters' nodes
     graphed = autograph.graphed(model)
     twin = mlp("cuda")
     for _ in range(3):
@@ -222,7 +229,7 @@ def test_double_backward_through_a_graphed_call_says_how_to_run_it_eagerly(devic
     with pytest.raises(RuntimeError, match=r"create_graph=True.*region\(enabled=False\)"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
     with autograph.region(enabled=False):
-        dx, = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+        (dx,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
     assert dx.requires_grad
     assert states(model)[0][0] == "graphed"
 
@@ -233,7 +240,7 @@ def test_a_call_made_before_the_previous_backward_runs_eagerly(device):
         data = list(zip(batches(device, 4), batches(device, 4, seed=2)))
         torch.manual_seed(3)  # dropout masks
         for x, y in data:
-            loss = model(x).mean() + model(y).mean()   # two forwards, one backward
+            loss = model(x).mean() + model(y).mean()  # two forwards, one backward
             loss.backward()
         return model, grads_of(model)
 
@@ -270,8 +277,14 @@ def test_train_and_eval_are_separate_keys_and_dropout_follows(device):
 def test_batch_norm_statistics_and_gradients_as_eager(device):
     def run(wrap):
         torch.manual_seed(0)
-        model = wrap(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
-                                         torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(device))
+        model = wrap(
+            torch.nn.Sequential(
+                torch.nn.Linear(8, 16),
+                torch.nn.BatchNorm1d(16),
+                torch.nn.ReLU(),
+                torch.nn.Linear(16, 1),
+            ).to(device)
+        )
         for x in batches(device, 4):
             model(x).sum().backward()
         return model, grads_of(model), [b.clone() for b in model.buffers()]
@@ -285,9 +298,14 @@ def test_batch_norm_statistics_and_gradients_as_eager(device):
 def test_a_conv_net_trains_as_eager(device):
     def run(wrap):
         torch.manual_seed(0)
-        model = wrap(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
-                                         torch.nn.Flatten(), torch.nn.Linear(8 * 36, 2))
-                     .to(device))
+        model = wrap(
+            torch.nn.Sequential(
+                torch.nn.Conv2d(3, 8, 3, padding=1),
+                torch.nn.ReLU(),
+                torch.nn.Flatten(),
+                torch.nn.Linear(8 * 36, 2),
+            ).to(device)
+        )
         torch.manual_seed(1)
         for _ in range(3):
             model(torch.randn(4, 3, 6, 6, device=device)).sum().backward()
@@ -321,25 +339,32 @@ def test_autocast_with_a_grad_scaler_trains_as_eager(device):
     model, losses, params = train(autograph.graphed)
     assert all(torch.equal(a, b) for a, b in zip(eager_losses, losses))
     assert all(torch.equal(a, b) for a, b in zip(eager_params, params))
-    row, = autograph.stats(model)
+    (row,) = autograph.stats(model)
     assert "autocast" in row.key and states(model) == [("graphed", 5, 1, 4)]
 
 
 class Checkpointed(torch.nn.Module):
     def __init__(self, reentrant):
         super().__init__()
-        self.inner, self.outer, self.reentrant = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1), \
-            reentrant
+        self.inner, self.outer, self.reentrant = (
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 1),
+            reentrant,
+        )
 
     def forward(self, x):
-        hidden = checkpoint(lambda t: torch.nn.functional.dropout(self.inner(t).relu(), 0.5),
-                            x, use_reentrant=self.reentrant)
+        hidden = checkpoint(
+            lambda t: torch.nn.functional.dropout(self.inner(t).relu(), 0.5),
+            x,
+            use_reentrant=self.reentrant,
+        )
         return self.outer(hidden)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_inside_the_module_runs_eagerly_with_the_reason(
-        device, caught, reentrant):
+    device, caught, reentrant
+):
     def run(wrap):
         torch.manual_seed(0)
         model = wrap(Checkpointed(reentrant).to(device))
@@ -352,7 +377,7 @@ def test_gradient_checkpointing_inside_the_module_runs_eagerly_with_the_reason(
     model, graphed = run(autograph.graphed)
     assert same(eager, graphed)
     assert states(model) == [("eager", 3, 3, 0)]
-    message, = autograph_warnings(caught)
+    (message,) = autograph_warnings(caught)
     if reentrant:
         assert "its backward at test_training.py:" in message
         assert "use_reentrant=True, torch.utils.checkpoint is incompatible" in message
@@ -393,7 +418,7 @@ def test_the_guard_holds_in_a_custom_backward(device, caught):
         double(x).sum().backward()
         assert torch.equal(x.grad, torch.full((4,), 2.0, device=device))
     assert states(double) == [("eager", 3, 3, 0)]
-    message, = autograph_warnings(caught)
+    (message,) = autograph_warnings(caught)
     assert "runs eagerly: .item() at test_training.py:" in message
     assert "synchronises with the host" in message
 
@@ -405,7 +430,7 @@ def test_bucketed_calls_that_need_gradients_run_eagerly_with_the_reason(device, 
         twin(x).sum().backward()
     assert same(grads_of(model), grads_of(twin))
     assert states(model) == [("eager", 3, 3, 0)]
-    message, = autograph_warnings(caught)
+    (message,) = autograph_warnings(caught)
     assert "a bucketed call does not get a graphed backward" in message
 
 
@@ -427,8 +452,10 @@ def test_reading_a_tensor_computed_with_gradients_outside_runs_eagerly(device, c
     project, graphed = run(autograph.graphed)
     assert torch.equal(eager, graphed)
     assert states(project) == [("eager", 3, 3, 0)]
-    assert "it reads scaled, which was computed with gradients outside the call" in \
-        autograph_warnings(caught)[0]
+    assert (
+        "it reads scaled, which was computed with gradients outside the call"
+        in autograph_warnings(caught)[0]
+    )
 
 
 def test_writing_in_place_to_an_input_that_requires_grad_runs_eagerly(device, caught):
@@ -506,8 +533,7 @@ def test_a_region_graphs_forward_and_backward_of_each_module(device, caught):
     def train(use_region):
         model = mlp(device)
         loss_fn = torch.nn.MSELoss()
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2,
-                                     capturable=device == "cuda")
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=device == "cuda")
         data = batches(device, 1)[0]
         target = data.sum(-1, keepdim=True)
         losses = []
@@ -531,6 +557,7 @@ def test_a_region_graphs_forward_and_backward_of_each_module(device, caught):
 
 # ---- the whole step as one graph ----
 
+
 def optimizer_for(model, device):
     """Adam with capturable=True on the GPU; on the CPU, where Adam reads its step count into
     Python (the emulation falls back, as CUDA would with capturable=False), SGD."""
@@ -546,12 +573,14 @@ def whole_step(model, optimizer, return_detached=True):
         loss.backward()
         optimizer.step()
         return loss.detach() if return_detached else loss
+
     return step
 
 
 @pytest.mark.parametrize("return_detached", [True, False])
-def test_a_whole_training_step_graphed_as_one_function_matches_eager(device, caught,
-                                                                      return_detached):
+def test_a_whole_training_step_graphed_as_one_function_matches_eager(
+    device, caught, return_detached
+):
     def train(wrap):
         model = mlp(device, dropout=0.1, activation=torch.nn.GELU)
         step = wrap(whole_step(model, optimizer_for(model, device), return_detached))
@@ -588,14 +617,15 @@ def test_a_whole_step_records_backward_kernels_that_reach_the_guard_whole(device
 def test_a_whole_step_follows_a_learning_rate_scheduler_on_a_tensor():
     def train(wrap):
         model = mlp("cuda")
-        optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.05, device="cuda"),
-                                     capturable=True)
+        optimizer = torch.optim.Adam(
+            model.parameters(), lr=torch.tensor(0.05, device="cuda"), capturable=True
+        )
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         step = wrap(whole_step(model, optimizer))
         losses = []
         for x in batches("cuda", 8):
             losses.append(step(x, x.sum(-1, keepdim=True)))
-            scheduler.step()   # fills the tensor in place: the graph reads it by address
+            scheduler.step()  # fills the tensor in place: the graph reads it by address
         return step, losses
 
     _, eager = train(lambda f: f)
@@ -615,7 +645,7 @@ def test_the_capture_call_does_not_keep_its_arguments_alive(device):
         refs.append(weakref.ref(x))
     del x
     gc.collect()
-    assert [r() for r in refs] == [None, None, None]   # statics are leaves of their own
+    assert [r() for r in refs] == [None, None, None]  # statics are leaves of their own
     assert states(model) == [("graphed", 3, 1, 2)]
 
 
@@ -624,8 +654,14 @@ def test_the_capture_call_does_not_keep_its_arguments_alive(device):
 def test_hf_llama_training_matches_eager(caught):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=256,
+    )
 
     def train(wrap):
         torch.manual_seed(0)

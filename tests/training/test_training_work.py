@@ -2,6 +2,7 @@
 gradients"): the ops it runs beyond its graphs, counted on the CPU emulation, and the cases
 where gradients are handed to autograd while .grad exists, which must never leak the graph's
 buffers."""
+
 import collections
 
 import pytest
@@ -10,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autograph
 from autograph.backends import _cpu_graphs
-from conftest import states
 
+from conftest import states
 from helpers.torch_versions import detaches_per_adopted_gradient
 from helpers.training import batches, grads_of, mlp, same
 
@@ -31,6 +32,7 @@ class _OpsOutsideReplays(TorchDispatchMode):
                 replay(graph)
             finally:
                 self.replaying -= 1
+
         monkeypatch.setattr(_cpu_graphs.CpuGraph, "replay", counted_replay)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -66,8 +68,11 @@ def test_gradients_added_into_existing_grads_are_fresh_copies(emulated, monkeypa
 
 def test_fresh_gradients_cost_one_clone_and_one_cut_per_shape(emulated, monkeypatch):
     torch.manual_seed(0)
-    model = autograph.graphed(torch.nn.Sequential(
-        *[layer for _ in range(4) for layer in (torch.nn.Linear(32, 32), torch.nn.SiLU())]))
+    model = autograph.graphed(
+        torch.nn.Sequential(
+            *[layer for _ in range(4) for layer in (torch.nn.Linear(32, 32), torch.nn.SiLU())]
+        )
+    )
     ops = _one_replayed_step(model, torch.randn(16, 32), True, monkeypatch)
     # The output's clone and the packed gradients' clone; the gradients are cut from it by
     # shape (narrow, view, unbind), not one by one (a narrow and a view each: 16 ops here),
@@ -108,8 +113,12 @@ def test_autograd_grad_gets_fresh_gradients_while_grads_exist(device):
 def test_a_tensor_hook_keeping_its_gradient_gets_a_fresh_one_while_grads_exist(device):
     def run(wrap):
         seen = []
-        model, _ = _kept_across_steps(device, wrap, lambda m, loss: loss.backward(),
-                                      prepare=lambda m: m[0].weight.register_hook(seen.append))
+        model, _ = _kept_across_steps(
+            device,
+            wrap,
+            lambda m, loss: loss.backward(),
+            prepare=lambda m: m[0].weight.register_hook(seen.append),
+        )
         return model, seen
 
     eager_model, eager = run(lambda m: m)
@@ -148,6 +157,7 @@ def test_an_optimizer_in_backward_that_clears_each_grad_steps_as_eagerly(device)
         def step_and_clear(p):
             optimizers[p].step()
             optimizers[p].zero_grad(set_to_none=False)
+
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(step_and_clear)
         for x in batches(device, 6):

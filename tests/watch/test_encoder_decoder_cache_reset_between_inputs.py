@@ -5,6 +5,7 @@ Python flag that says whether cross-attention K/V are computed or read: the firs
 input must compute them (it runs eagerly), the others replay (issue 35 §1;
 docs/design.md, "What a replay assumes").
 """
+
 import pytest
 import torch
 
@@ -12,43 +13,77 @@ import autograph
 
 pytestmark = pytest.mark.usefixtures("caught")
 
-_SIZES = dict(vocab_size=96, d_model=32, encoder_layers=2, decoder_layers=2,
-              encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-              decoder_ffn_dim=64, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-              init_std=0.3)  # a wide init: each input decodes to its own tokens
+_SIZES = dict(
+    vocab_size=96,
+    d_model=32,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=64,
+    decoder_ffn_dim=64,
+    pad_token_id=1,
+    bos_token_id=0,
+    eos_token_id=2,
+    init_std=0.3,
+)  # a wide init: each input decodes to its own tokens
 
 
 def _whisper(transformers):
     config = transformers.WhisperConfig(
-        **_SIZES, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
-        decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None)
-    return config, transformers.WhisperForConditionalGeneration(config), [
-        torch.randn(1, 8, 32) for _ in range(3)]
+        **_SIZES,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=32,
+        decoder_start_token_id=3,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+    )
+    return (
+        config,
+        transformers.WhisperForConditionalGeneration(config),
+        [torch.randn(1, 8, 32) for _ in range(3)],
+    )
 
 
 def _bart(transformers):
     config = transformers.BartConfig(
-        **_SIZES, max_position_embeddings=64, decoder_start_token_id=2,
-        forced_bos_token_id=None, forced_eos_token_id=None)
-    return config, transformers.BartForConditionalGeneration(config), [
-        torch.randint(3, 96, (1, 7)) for _ in range(3)]
+        **_SIZES,
+        max_position_embeddings=64,
+        decoder_start_token_id=2,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+    )
+    return (
+        config,
+        transformers.BartForConditionalGeneration(config),
+        [torch.randint(3, 96, (1, 7)) for _ in range(3)],
+    )
 
 
 def _generate_each(model, config, inputs, transformers, device):
     """Tokens and per-step logits of each input, one cache reset before each."""
     cache = transformers.EncoderDecoderCache(
         transformers.StaticCache(config=config, max_cache_len=24),
-        transformers.StaticCache(config=config, max_cache_len=24))
+        transformers.StaticCache(config=config, max_cache_len=24),
+    )
     results = []
     with torch.inference_mode():
         for x in inputs:
             cache.reset()
-            out = model.generate(x.to(device), past_key_values=cache, max_new_tokens=8,
-                                 min_new_tokens=8, do_sample=False, num_beams=1,
-                                 return_dict_in_generate=True, output_logits=True,
-                                 # On CUDA transformers would compile the decode step of a
-                                 # static cache itself: the region is to graph it.
-                                 disable_compile=True)
+            out = model.generate(
+                x.to(device),
+                past_key_values=cache,
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                num_beams=1,
+                return_dict_in_generate=True,
+                output_logits=True,
+                # On CUDA transformers would compile the decode step of a
+                # static cache itself: the region is to graph it.
+                disable_compile=True,
+            )
             results.append((out.sequences, out.logits))
     return results, cache
 
@@ -70,12 +105,19 @@ def test_generate_with_a_reset_encoder_decoder_cache_gives_eagers_tokens(device,
     [decode] = [s for s in autograph.stats(region) if "ForConditionalGeneration" in s.function]
     # 8 steps an input: the first input warms up and captures; each input's first step (the
     # flag reset() cleared) runs eagerly; every other step replays.
-    if make is _bart and decode.state == "eager" and \
-            tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 24):
+    if (
+        make is _bart
+        and decode.state == "eager"
+        and tuple(int(v) for v in transformers.__version__.split(".")[:2]) < (5, 24)
+    ):
         # transformers 5.17's BART decode step reads a value on the host (seen on the H200):
         # eager's tokens, said with the reason; 5.24's does not, and is graphed (CPU run).
         assert decode.fallback_reason, decode
         return
-    assert (decode.state, decode.calls, decode.eager_calls, decode.replays) == \
-        ("graphed", 24, 3, 21), decode
+    assert (decode.state, decode.calls, decode.eager_calls, decode.replays) == (
+        "graphed",
+        24,
+        3,
+        21,
+    ), decode
     del cache

@@ -1,9 +1,9 @@
 """The guard's detection on CPU tensors (the CPU emulation graphs "cpu" work)."""
+
 import pytest
 import torch
 
-from autograph.watch._guard import (Finding, GuardError, UnsafeOpDetector,
-                              classify_capture_error)
+from autograph.watch._guard import Finding, GuardError, UnsafeOpDetector, classify_capture_error
 
 
 def observe(fn, *args):
@@ -81,9 +81,9 @@ def test_unsafe_operation_is_found_at_the_users_line(fn, operation, consequence)
 
 def graph_safe(x):
     idx = torch.tensor([0, 2])
-    y = x[idx] + x[1:3] * 2                       # integer and slice indexing
-    y = torch.where(y > 0, y, -y)                 # three-argument where
-    y = torch.nn.functional.dropout(y, 0.5)       # RNG
+    y = x[idx] + x[1:3] * 2  # integer and slice indexing
+    y = torch.where(y > 0, y, -y)  # three-argument where
+    y = torch.nn.functional.dropout(y, 0.5)  # RNG
     cache = torch.zeros(4, 2)
     cache.index_copy_(0, torch.tensor([1]), y[None])  # KV-cache style write
     return torch.repeat_interleave(y, 2, output_size=4), cache @ torch.ones(2, 2)
@@ -100,25 +100,37 @@ def test_raise_mode_stops_at_the_first_unsafe_operation():
 
 
 def test_synchronize_and_stream_waits_are_caught_and_patches_removed():
-    originals = (torch.cuda.synchronize, torch.cuda.Stream.synchronize,
-                 torch.cuda.Event.synchronize, torch.cuda.Event.query)
-    for call, name in [(lambda: torch.cuda.synchronize(), "torch.cuda.synchronize()"),
-                       (lambda: torch.cuda.Event.query(None), "Event.query()"),
-                       (lambda: torch.cuda.Stream.synchronize(None), "Stream.synchronize()")]:
+    originals = (
+        torch.cuda.synchronize,
+        torch.cuda.Stream.synchronize,
+        torch.cuda.Event.synchronize,
+        torch.cuda.Event.query,
+    )
+    for call, name in [
+        (lambda: torch.cuda.synchronize(), "torch.cuda.synchronize()"),
+        (lambda: torch.cuda.Event.query(None), "Event.query()"),
+        (lambda: torch.cuda.Stream.synchronize(None), "Stream.synchronize()"),
+    ]:
         with pytest.raises(GuardError, match=name.replace("(", r"\(").replace(")", r"\)")):
             with UnsafeOpDetector("cpu", raise_on_unsafe=True):
                 call()
-    assert originals == (torch.cuda.synchronize, torch.cuda.Stream.synchronize,
-                         torch.cuda.Event.synchronize, torch.cuda.Event.query)
+    assert originals == (
+        torch.cuda.synchronize,
+        torch.cuda.Stream.synchronize,
+        torch.cuda.Event.synchronize,
+        torch.cuda.Event.query,
+    )
 
 
 def test_other_threads_and_cpu_constants_are_not_watched():
     import threading
+
     results = []
     with UnsafeOpDetector("cuda", raise_on_unsafe=True):
-        results.append(torch.tensor([2.0]))      # a constant is not computing on the CPU
-        worker = threading.Thread(target=lambda: results.append(
-            observe_free(lambda: torch.ones(1).add(1).item())))
+        results.append(torch.tensor([2.0]))  # a constant is not computing on the CPU
+        worker = threading.Thread(
+            target=lambda: results.append(observe_free(lambda: torch.ones(1).add(1).item()))
+        )
         worker.start()
         worker.join()
     assert results[1:] == [2.0]
@@ -136,22 +148,34 @@ def observe_free(fn):
 
 def test_pageable_copy_to_the_device_is_flagged():
     from autograph.watch._unsafe_ops import unsafe_op
+
     x = torch.ones(3)
     op = torch.ops.aten._to_copy.default
     assert unsafe_op(op, (x,), {"device": torch.device("cuda")}, "cuda")[0].startswith(
-        "a copy from pageable host memory")
+        "a copy from pageable host memory"
+    )
     assert unsafe_op(op, (x,), {"dtype": torch.float16}, "cuda") is None
 
 
-@pytest.mark.parametrize("message, expected", [
-    ("CUDA error: operation not permitted when stream is capturing",
-     "made a CUDA call that stream capture does not allow"),
-    ("CUDA error: operation failed due to a previous error during capture",
-     "invalidated the capture"),
-    ("called a synchronizing CUDA operation", "synchronises with the host"),
-    ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
-     "tensor is pinned.", "pageable host memory"),
-])
+@pytest.mark.parametrize(
+    "message, expected",
+    [
+        (
+            "CUDA error: operation not permitted when stream is capturing",
+            "made a CUDA call that stream capture does not allow",
+        ),
+        (
+            "CUDA error: operation failed due to a previous error during capture",
+            "invalidated the capture",
+        ),
+        ("called a synchronizing CUDA operation", "synchronises with the host"),
+        (
+            "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+            "tensor is pinned.",
+            "pageable host memory",
+        ),
+    ],
+)
 def test_capture_errors_are_classified(message, expected):
     finding = classify_capture_error(RuntimeError(message))
     assert isinstance(finding, Finding) and expected in finding.consequence

@@ -3,6 +3,7 @@ an optimizer that cannot be captured, and host reads under ``torch.inference_mod
 
 Each catalog function holds its unsafe call on the line after its ``def``.
 """
+
 import os
 import sys
 import threading
@@ -14,10 +15,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autograph.backends._cuda_graphs import CUDA
-from autograph.watch._guard import (GuardError, UnsafeOpDetector, classify_capture_error,
-                                    host_read_fix, optimizer_running)
-from conftest import requires_cuda
+from autograph.watch._guard import (
+    GuardError,
+    UnsafeOpDetector,
+    classify_capture_error,
+    host_read_fix,
+    optimizer_running,
+)
 
+from conftest import requires_cuda
 
 MODES = [torch.no_grad, torch.inference_mode]
 
@@ -45,11 +51,15 @@ def _restore_random_state():
 
 def cuda_state():
     """A CUDA generator state; without CUDA, torch.cuda's setters only queue their call."""
-    return torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.zeros(
-        16, dtype=torch.uint8)
+    return (
+        torch.cuda.get_rng_state()
+        if torch.cuda.is_available()
+        else torch.zeros(16, dtype=torch.uint8)
+    )
 
 
 # --- reseeding ---------------------------------------------------------------------------
+
 
 def manual_seed():
     torch.manual_seed(1)
@@ -133,7 +143,7 @@ def seeding_args(fn):
 def test_seeding_is_found_once_at_the_users_line(fn, operation, consequence, device_type):
     finding = observe(fn, *seeding_args(fn), device_type=device_type)
     assert finding is not None
-    assert finding.operation == operation   # the outermost call, not torch's inner ones
+    assert finding.operation == operation  # the outermost call, not torch's inner ones
     assert finding.consequence.startswith(consequence)
     assert finding.location == unsafe_line(fn)
 
@@ -160,12 +170,21 @@ def test_drawing_random_numbers_is_not_flagged():
             assert observe(draws, torch.rand(4), torch.Generator()) is None
 
 
-SEEDING_ATTRIBUTES = [(torch, "manual_seed"), (torch, "seed"), (torch, "set_rng_state"),
-                      (torch.random, "manual_seed"), (torch.random, "seed"),
-                      (torch.random, "set_rng_state"), (torch.random, "fork_rng"),
-                      (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"),
-                      (torch.cuda, "seed"), (torch.cuda, "seed_all"),
-                      (torch.cuda, "set_rng_state"), (torch.cuda, "set_rng_state_all")]
+SEEDING_ATTRIBUTES = [
+    (torch, "manual_seed"),
+    (torch, "seed"),
+    (torch, "set_rng_state"),
+    (torch.random, "manual_seed"),
+    (torch.random, "seed"),
+    (torch.random, "set_rng_state"),
+    (torch.random, "fork_rng"),
+    (torch.cuda, "manual_seed"),
+    (torch.cuda, "manual_seed_all"),
+    (torch.cuda, "seed"),
+    (torch.cuda, "seed_all"),
+    (torch.cuda, "set_rng_state"),
+    (torch.cuda, "set_rng_state_all"),
+]
 
 
 def test_patches_are_removed_after_the_detector_exits():
@@ -173,7 +192,7 @@ def test_patches_are_removed_after_the_detector_exits():
     original = torch.manual_seed
     with UnsafeOpDetector("cpu", raise_on_unsafe=False):
         assert torch.manual_seed is not original
-        with UnsafeOpDetector("cpu", raise_on_unsafe=False):   # nested: still patched after
+        with UnsafeOpDetector("cpu", raise_on_unsafe=False):  # nested: still patched after
             pass
         assert torch.manual_seed is not original
     assert torch.manual_seed is original
@@ -195,7 +214,7 @@ def test_another_threads_seeding_is_not_reported():
         worker = threading.Thread(target=reseed)
         worker.start()
         worker.join()
-    assert detector.finding is None and seen == [5]   # the worker's call ran, unreported
+    assert detector.finding is None and seen == [5]  # the worker's call ran, unreported
 
     original, findings = torch.manual_seed, []
     entered, seeded = threading.Event(), threading.Event()
@@ -209,7 +228,7 @@ def test_another_threads_seeding_is_not_reported():
     worker = threading.Thread(target=watch)
     worker.start()
     assert entered.wait(10)
-    assert torch.manual_seed is not original    # patched by the worker's detector
+    assert torch.manual_seed is not original  # patched by the worker's detector
     torch.manual_seed(6)
     seeded.set()
     worker.join()
@@ -217,6 +236,7 @@ def test_another_threads_seeding_is_not_reported():
 
 
 # --- errors that slip past the guard -----------------------------------------------------
+
 
 def outside_user_code(error):
     """A callable that raises ``error`` from a frame that is not the user's, as C++ would."""
@@ -235,13 +255,19 @@ def error_of(fn, *args):
     raise AssertionError("no error")
 
 
-SEED_ERROR = ("CUDAGeneratorImpl::set_current_seed can be called during stream capture only "
-              "if new seed is the same as the original seed.")
-NEW_SEED_ERROR = ("Cannot call CUDAGeneratorImpl::seed during CUDA graph capture. If you need "
-                  "this call to be captured, please file an issue. Current "
-                  "cudaStreamCaptureStatus: cudaStreamCaptureStatusActive")
-NOT_PERMITTED = ("CUDA error: operation not permitted when stream is capturing\nCUDA kernel "
-                 "errors might be asynchronously reported at some other API call")
+SEED_ERROR = (
+    "CUDAGeneratorImpl::set_current_seed can be called during stream capture only "
+    "if new seed is the same as the original seed."
+)
+NEW_SEED_ERROR = (
+    "Cannot call CUDAGeneratorImpl::seed during CUDA graph capture. If you need "
+    "this call to be captured, please file an issue. Current "
+    "cudaStreamCaptureStatus: cudaStreamCaptureStatusActive"
+)
+NOT_PERMITTED = (
+    "CUDA error: operation not permitted when stream is capturing\nCUDA kernel "
+    "errors might be asynchronously reported at some other API call"
+)
 
 
 def generator_reseed(generator):
@@ -253,17 +279,20 @@ def generator_new_seed(generator):
 
 
 def test_a_generators_reseed_during_capture_is_classified():
-    generator = types.SimpleNamespace(manual_seed=outside_user_code(RuntimeError(SEED_ERROR)),
-                                      seed=outside_user_code(RuntimeError(NEW_SEED_ERROR)))
+    generator = types.SimpleNamespace(
+        manual_seed=outside_user_code(RuntimeError(SEED_ERROR)),
+        seed=outside_user_code(RuntimeError(NEW_SEED_ERROR)),
+    )
     finding = classify_capture_error(error_of(generator_reseed, generator))
     assert finding.message().startswith(
-        f"generator.manual_seed() at {unsafe_line(generator_reseed)} {RESEEDS}")
+        f"generator.manual_seed() at {unsafe_line(generator_reseed)} {RESEEDS}"
+    )
     finding = classify_capture_error(error_of(generator_new_seed, generator))
     assert finding.message().startswith(
-        f"generator.seed() at {unsafe_line(generator_new_seed)} {RESEEDS}")
+        f"generator.seed() at {unsafe_line(generator_new_seed)} {RESEEDS}"
+    )
     bare = classify_capture_error(RuntimeError(SEED_ERROR))
-    assert bare.operation == "reseeding a random generator" and bare.consequence.startswith(
-        RESEEDS)
+    assert bare.operation == "reseeding a random generator" and bare.consequence.startswith(RESEEDS)
 
 
 def host_condition(read):
@@ -284,9 +313,15 @@ def host_int(read):
     return int(read())
 
 
-@pytest.mark.parametrize("fn, operation", [
-    (host_condition, "a tensor used as a Python condition"), (host_bool, "bool(tensor)"),
-    (host_int, "int(tensor)"), (host_item, ".item()")])
+@pytest.mark.parametrize(
+    "fn, operation",
+    [
+        (host_condition, "a tensor used as a Python condition"),
+        (host_bool, "bool(tensor)"),
+        (host_int, "int(tensor)"),
+        (host_item, ".item()"),
+    ],
+)
 def test_a_host_read_that_cuda_rejected_is_named_from_the_users_line(fn, operation):
     raising = outside_user_code(RuntimeError(NOT_PERMITTED))
     argument = types.SimpleNamespace(item=raising) if fn is host_item else raising
@@ -300,8 +335,9 @@ def not_a_host_read(call):
 
 
 def test_other_not_permitted_errors_keep_quoting_cuda():
-    finding = classify_capture_error(error_of(
-        not_a_host_read, outside_user_code(RuntimeError(NOT_PERMITTED))))
+    finding = classify_capture_error(
+        error_of(not_a_host_read, outside_user_code(RuntimeError(NOT_PERMITTED)))
+    )
     assert finding.operation.startswith("a CUDA call (CUDA error: operation not permitted")
     assert finding.location == unsafe_line(not_a_host_read)
 
@@ -311,13 +347,16 @@ def optimizer_step(optimizer):
 
 
 def test_an_optimizer_that_torch_refuses_to_capture_is_named():
-    refused = RuntimeError("Attempting CUDA graph capture of step() for an instance of AdamW "
-                           "but param_groups' capturable is False.")
+    refused = RuntimeError(
+        "Attempting CUDA graph capture of step() for an instance of AdamW "
+        "but param_groups' capturable is False."
+    )
     optimizer = types.SimpleNamespace(step=outside_user_code(refused))
     finding = classify_capture_error(error_of(optimizer_step, optimizer))
     assert finding.message() == (
         f"AdamW.step() with capturable=False at {unsafe_line(optimizer_step)} cannot be "
-        "captured: create it with AdamW(..., capturable=True)")
+        "captured: create it with AdamW(..., capturable=True)"
+    )
 
 
 def test_other_capture_errors_still_classified():
@@ -327,6 +366,7 @@ def test_other_capture_errors_still_classified():
 
 
 # --- host reads under inference_mode -----------------------------------------------------
+
 
 def condition(t):
     if t:
@@ -355,9 +395,14 @@ def loop_condition(t):
         t = t - 1
 
 
-HOST_READS = [(condition, "a tensor used as a Python condition"), (as_bool, "bool(tensor)"),
-              (item, ".item()"), (as_int, "int(tensor)"), (as_float, "float(tensor)"),
-              (loop_condition, "a tensor used as a Python condition")]
+HOST_READS = [
+    (condition, "a tensor used as a Python condition"),
+    (as_bool, "bool(tensor)"),
+    (item, ".item()"),
+    (as_int, "int(tensor)"),
+    (as_float, "float(tensor)"),
+    (loop_condition, "a tensor used as a Python condition"),
+]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.__name__)
@@ -370,8 +415,10 @@ def test_host_reads_are_named_the_same_under_inference_mode(fn, operation, mode)
             with UnsafeOpDetector("cpu", raise_on_unsafe=True):
                 fn(t)
     assert finding is not None
-    assert finding.message() == (f"{operation} at {unsafe_line(fn)} synchronises with the host, "
-                                 f"and {host_read_fix(operation)}")
+    assert finding.message() == (
+        f"{operation} at {unsafe_line(fn)} synchronises with the host, "
+        f"and {host_read_fix(operation)}"
+    )
     assert raised.value.finding == finding
 
 
@@ -396,16 +443,19 @@ def pageable_to_device(x):
 
 
 # "meta" stands in for the GPU: the guard raises before the copy, which meta cannot make.
-COMPOSITES = [(one_argument_where, "cpu", "torch.nonzero (or one-argument torch.where) at"),
-              (argwhere, "cpu", "torch.nonzero (or one-argument torch.where) at"),
-              (to_host, "meta", ".cpu() / .tolist() / .to('cpu') at"),
-              (to_host_by_name, "meta", ".cpu() / .tolist() / .to('cpu') at"),
-              (pageable_to_device, "meta", "a copy from pageable host memory to the GPU at")]
+COMPOSITES = [
+    (one_argument_where, "cpu", "torch.nonzero (or one-argument torch.where) at"),
+    (argwhere, "cpu", "torch.nonzero (or one-argument torch.where) at"),
+    (to_host, "meta", ".cpu() / .tolist() / .to('cpu') at"),
+    (to_host_by_name, "meta", ".cpu() / .tolist() / .to('cpu') at"),
+    (pageable_to_device, "meta", "a copy from pageable host memory to the GPU at"),
+]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.__name__)
-@pytest.mark.parametrize("fn, device_type, operation", COMPOSITES,
-                         ids=[c[0].__name__ for c in COMPOSITES])
+@pytest.mark.parametrize(
+    "fn, device_type, operation", COMPOSITES, ids=[c[0].__name__ for c in COMPOSITES]
+)
 def test_composite_ops_are_seen_the_same_under_inference_mode(fn, device_type, operation, mode):
     with mode():
         x = torch.randn(3, device=device_type)
@@ -436,6 +486,7 @@ def test_seeing_composite_parts_changes_no_result():
 
 
 # --- optimizers --------------------------------------------------------------------------
+
 
 def op_frames(fn, *args):
     """The frames a dispatch mode is handed for the ATen ops of ``fn(*args)``, as the guard."""
@@ -469,10 +520,14 @@ def test_the_optimizer_is_named_from_an_op_inside_its_step(options):
 
 
 # "meta" parameters stand in for GPU ones: the step counter is a real CPU tensor.
-@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
-                                 torch.optim.NAdam], ids=lambda c: c.__name__)
-@pytest.mark.parametrize("options", [{}, {"foreach": False}, {"foreach": True}],
-                         ids=["default", "single", "foreach"])
+@pytest.mark.parametrize(
+    "cls",
+    [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.NAdam],
+    ids=lambda c: c.__name__,
+)
+@pytest.mark.parametrize(
+    "options", [{}, {"foreach": False}, {"foreach": True}], ids=["default", "single", "foreach"]
+)
 def test_a_step_count_on_the_cpu_names_the_optimizer(cls, options):
     optimizer = make_optimizer(cls, "meta", **options)
     finding = observe(optimizer_step, optimizer, device_type="meta")
@@ -481,7 +536,8 @@ def test_a_step_count_on_the_cpu_names_the_optimizer(cls, options):
     assert finding.message() == (
         f"{name}.step() with capturable=False at {unsafe_line(optimizer_step)} keeps its step "
         f"count on the CPU, which a graph freezes at capture: create it with "
-        f"{name}(..., capturable=True)")
+        f"{name}(..., capturable=True)"
+    )
     with pytest.raises(GuardError, match=rf"{name}\.step\(\) with capturable=False at"):
         with UnsafeOpDetector("meta", raise_on_unsafe=True):
             optimizer_step(optimizer)
@@ -503,8 +559,9 @@ def test_other_cpu_computations_keep_their_name():
 
 @pytest.mark.cuda
 @requires_cuda
-@pytest.mark.parametrize("options", [{}, {"foreach": True}, {"foreach": False}],
-                         ids=["default", "foreach", "single"])
+@pytest.mark.parametrize(
+    "options", [{}, {"foreach": True}, {"foreach": False}], ids=["default", "foreach", "single"]
+)
 def test_an_optimizer_with_its_step_count_on_the_cpu_is_named_on_the_gpu(options):
     optimizer = make_optimizer(torch.optim.AdamW, "cuda", **options)
     optimizer_step(optimizer)
@@ -521,7 +578,7 @@ def capture_error(fn, *args):
     """The exception ``fn`` raises inside a real CUDA graph capture (the engine's backend,
     which cleans up after a capture that CUDA rejected)."""
     capture = CUDA.capture(lambda: fn(*args), 0, CUDA.new_pool(0))
-    assert torch.ones(2, device="cuda").sum().item() == 2   # CUDA is healthy after
+    assert torch.ones(2, device="cuda").sum().item() == 2  # CUDA is healthy after
     return capture.error
 
 
@@ -538,14 +595,15 @@ def test_real_capture_errors_are_named_on_the_gpu():
     assert observe(optimizer_step, fused, device_type="cuda") is None  # its step is on the GPU
     finding = classify_capture_error(capture_error(optimizer_step, fused))
     assert finding.message().startswith(
-        f"Adam.step() with capturable=False at {unsafe_line(optimizer_step)} cannot be captured")
+        f"Adam.step() with capturable=False at {unsafe_line(optimizer_step)} cannot be captured"
+    )
 
     generator = torch.Generator("cuda")
     for fn in (generator_reseed, generator_new_seed):
         finding = classify_capture_error(capture_error(fn, generator))
         assert finding.location == unsafe_line(fn) and finding.consequence.startswith(RESEEDS)
 
-    with torch.inference_mode():   # no guard: CUDA itself rejects the read
+    with torch.inference_mode():  # no guard: CUDA itself rejects the read
         finding = classify_capture_error(capture_error(condition, torch.ones((), device="cuda")))
     assert finding.operation == "a tensor used as a Python condition"
     assert finding.location == unsafe_line(condition)
@@ -558,6 +616,8 @@ def test_real_capture_errors_are_named_on_the_gpu():
 def test_host_reads_are_named_the_same_under_inference_mode_on_the_gpu(fn, operation, mode):
     with mode():
         error = capture_error(guarded, fn, torch.ones((), device="cuda"))
-    assert isinstance(error, GuardError)   # stopped before CUDA saw the read
-    assert error.finding.message() == (f"{operation} at {unsafe_line(fn)} synchronises with the "
-                                       f"host, and {host_read_fix(operation)}")
+    assert isinstance(error, GuardError)  # stopped before CUDA saw the read
+    assert error.finding.message() == (
+        f"{operation} at {unsafe_line(fn)} synchronises with the "
+        f"host, and {host_read_fix(operation)}"
+    )

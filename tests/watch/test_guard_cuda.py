@@ -3,15 +3,17 @@
 Each catalog function marks its unsafe line with ``# <- unsafe``; the test checks that the
 key falls back to eager with results equal to eager, one warning, and that line named.
 """
+
+import contextlib
 import gc
 import inspect
 import io
-import contextlib
 
 import pytest
 import torch
 
 import autograph
+
 from conftest import autograph_warnings, requires_cuda
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -145,17 +147,27 @@ def raw_cuda_call(x):
 
 
 CATALOG = [
-    (item, ".item() at"), (tolist, ".tolist()"), (cpu, ".cpu()"), (to_cpu, ".to('cpu')"),
-    (print_tensor, "print() or repr() of a GPU tensor at"), (repr_tensor, "print() or repr()"),
-    (bool_tensor, "bool(tensor) at"), (if_tensor, "a tensor used as a Python condition at"),
+    (item, ".item() at"),
+    (tolist, ".tolist()"),
+    (cpu, ".cpu()"),
+    (to_cpu, ".to('cpu')"),
+    (print_tensor, "print() or repr() of a GPU tensor at"),
+    (repr_tensor, "print() or repr()"),
+    (bool_tensor, "bool(tensor) at"),
+    (if_tensor, "a tensor used as a Python condition at"),
     (cuda_synchronize, "torch.cuda.synchronize() at"),
     (stream_synchronize, "Stream.synchronize() at"),
-    (event_synchronize, "Event.synchronize() at"), (event_query, "Event.query() at"),
-    (nonzero, "torch.nonzero"), (where_one_argument, "torch.nonzero"),
-    (masked_select, "torch.masked_select at"), (mask_index, "boolean-mask indexing at"),
-    (unique, "torch.unique at"), (cpu_compute, "computing with a CPU tensor at"),
+    (event_synchronize, "Event.synchronize() at"),
+    (event_query, "Event.query() at"),
+    (nonzero, "torch.nonzero"),
+    (where_one_argument, "torch.nonzero"),
+    (masked_select, "torch.masked_select at"),
+    (mask_index, "boolean-mask indexing at"),
+    (unique, "torch.unique at"),
+    (cpu_compute, "computing with a CPU tensor at"),
     (pageable_copy, "a copy from pageable host memory to the GPU at"),
-    (number_by_index, "x[index] = number at"), (number_by_mask, "x[mask] = number at"),
+    (number_by_index, "x[index] = number at"),
+    (number_by_mask, "x[mask] = number at"),
     (empty_cache, "torch.cuda.empty_cache() at"),
     (raw_cuda_call, "a CUDA call (CUDA error: operation not permitted when stream is capturing)"),
 ]
@@ -182,7 +194,7 @@ def test_catalog_entry_falls_back_once_at_the_users_line(fn, expected, mode, cau
     assert len(messages) == 1, messages
     assert expected in messages[0]
     assert f"test_guard_cuda.py:{unsafe_line(fn)}" in messages[0]
-    row, = graphed.stats()
+    (row,) = graphed.stats()
     assert row.state == "eager" and row.fallback_reason in messages[0]
     assert not torch.cuda.is_current_stream_capturing()
     torch.randn(2, device="cuda")  # the random generator still works
@@ -191,11 +203,13 @@ def test_catalog_entry_falls_back_once_at_the_users_line(fn, expected, mode, cau
 def test_strict_mode_raises_capture_error_with_the_message():
     graphed = autograph.graphed(strict=True)(item)
     x = torch.randn(8, device="cuda")
-    assert torch.equal(graphed(x), item(x))      # the warmup runs as written
-    with pytest.raises(autograph.CaptureError,
-                       match=r"strict mode raises instead of running it eagerly: \.item\(\) at "
-                             r"test_guard_cuda"):
-        graphed(x)                               # the capture finds it
+    assert torch.equal(graphed(x), item(x))  # the warmup runs as written
+    with pytest.raises(
+        autograph.CaptureError,
+        match=r"strict mode raises instead of running it eagerly: \.item\(\) at "
+        r"test_guard_cuda",
+    ):
+        graphed(x)  # the capture finds it
 
 
 def _memory():
@@ -207,26 +221,29 @@ def _memory():
 
 def new_generator(x):
     y = x @ x.t()
-    big = torch.empty(1 << 24, device="cuda").fill_(1)   # 64 MiB from the graph's pool
-    generator = torch.Generator(device="cuda")           # PyTorch refuses this in a capture
+    big = torch.empty(1 << 24, device="cuda").fill_(1)  # 64 MiB from the graph's pool
+    generator = torch.Generator(device="cuda")  # PyTorch refuses this in a capture
     return y + big[:1] + torch.rand(x.shape, device="cuda", generator=generator)
 
 
 def raw_sync(x):
     y = x @ x.t()
     big = torch.empty(1 << 24, device="cuda").fill_(1)
-    RAW_SYNC()                                          # CUDA invalidates the capture
+    RAW_SYNC()  # CUDA invalidates the capture
     return y + big[:1]
 
 
-@pytest.mark.parametrize("fn, kind", [(new_generator, "PyTorch"), (raw_sync, "CUDA")],
-                         ids=["caught-by-pytorch", "invalidated-in-the-driver"])
+@pytest.mark.parametrize(
+    "fn, kind",
+    [(new_generator, "PyTorch"), (raw_sync, "CUDA")],
+    ids=["caught-by-pytorch", "invalidated-in-the-driver"],
+)
 def test_a_failed_capture_leaves_no_trace(fn, kind, caught):
     x = torch.randn(64, 64, device="cuda")
     graphed = autograph.graphed(fn)
-    graphed(x)                          # warmup: the guard sees nothing wrong
+    graphed(x)  # warmup: the guard sees nothing wrong
     before = _memory()
-    graphed(x)                          # capture fails, the call runs eagerly
+    graphed(x)  # capture fails, the call runs eagerly
     assert graphed.stats()[0].state == "eager"
     assert len(autograph_warnings(caught)) == 1
     assert _memory() == before, "the failed capture's memory was not given back"
@@ -261,13 +278,13 @@ def test_users_exception_propagates_in_every_phase(caught):
     fail.clear()
     f(x, "warmup")
     fail["warmup"] = True
-    with pytest.raises(ValueError, match="bad input in warmup"):   # the capture call
+    with pytest.raises(ValueError, match="bad input in warmup"):  # the capture call
         f(x, "warmup")
     fail.clear()
-    f(x, "eager")                                  # warmup: .item() seen, the capture decides
-    f(x, "eager")                                  # capture: the guard stops it at .item()
+    f(x, "eager")  # warmup: .item() seen, the capture decides
+    f(x, "eager")  # capture: the guard stops it at .item()
     fail["eager"] = True
-    with pytest.raises(ValueError, match="bad input in eager"):    # an eager fallback call
+    with pytest.raises(ValueError, match="bad input in eager"):  # an eager fallback call
         f(x, "eager")
     fail.clear()
     for _ in range(2):
@@ -279,11 +296,15 @@ def test_users_exception_propagates_in_every_phase(caught):
 def test_no_false_positive_on_an_mlp_with_dropout(caught):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        *[layer for _ in range(4) for layer in (torch.nn.Linear(64, 64), torch.nn.GELU(),
-                                                torch.nn.Dropout(0.2))]).cuda()
+        *[
+            layer
+            for _ in range(4)
+            for layer in (torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Dropout(0.2))
+        ]
+    ).cuda()
     graphed = autograph.graphed(model)
     with torch.no_grad():
         outs = [graphed(torch.ones(4, 64, device="cuda")) for _ in range(5)]
     assert autograph_warnings(caught) == []
     assert graphed.forward.stats()[0].state == "graphed"
-    assert len({o.sum().item() for o in outs}) == 5        # fresh dropout masks per call
+    assert len({o.sum().item() for o in outs}) == 5  # fresh dropout masks per call

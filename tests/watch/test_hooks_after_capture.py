@@ -1,6 +1,7 @@
 """Autograd and hook state changed after capture (issue 35, section 2): parameters frozen or
 unfrozen, module hooks added or removed, weights swapped in with ``p.data``. Each must give
 eager's results; where the graph can follow, it is captured again and replays."""
+
 import pytest
 import torch
 
@@ -11,8 +12,9 @@ from conftest import autograph_warnings, states
 
 def backbone(device, seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(),
-                               torch.nn.Linear(16, 8)).to(device)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).to(
+        device
+    )
 
 
 def head(device, seed=1):
@@ -26,21 +28,22 @@ def batch(device, seed=2):
 
 
 def grads(*modules):
-    return [None if p.grad is None else p.grad.clone()
-            for m in modules for p in m.parameters()]
+    return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
 
 
 def close(a, b):
-    return len(a) == len(b) and all((x is None and y is None) or
-                                    (x is not None and y is not None and
-                                     torch.allclose(x, y, rtol=1e-5, atol=1e-6))
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        (x is None and y is None)
+        or (x is not None and y is not None and torch.allclose(x, y, rtol=1e-5, atol=1e-6))
+        for x, y in zip(a, b)
+    )
 
 
 def same(a, b):
-    return len(a) == len(b) and all((x is None and y is None) or
-                                    (x is not None and y is not None and torch.equal(x, y))
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in zip(a, b)
+    )
 
 
 def first_key(target):
@@ -48,6 +51,7 @@ def first_key(target):
 
 
 # ---- requires_grad flipped after capture ----
+
 
 @pytest.mark.parametrize("frozen_first", [True, False])
 def test_a_backbone_frozen_or_unfrozen_after_capture_gets_eagers_gradients(device, frozen_first):
@@ -68,6 +72,7 @@ def test_a_backbone_frozen_or_unfrozen_after_capture_gets_eagers_gradients(devic
 
 
 # ---- forward hooks added or removed after capture ----
+
 
 def _in_region(region, model, x):
     with region:
@@ -101,13 +106,16 @@ def _shift_input(module, args):
 
 
 @pytest.mark.parametrize("kind", ["forward", "forward_pre"])
-def test_a_hook_added_to_a_submodule_after_capture_applies_and_stops_when_removed(
-        device, kind):
+def test_a_hook_added_to_a_submodule_after_capture_applies_and_stops_when_removed(device, kind):
     model, twin = autograph.graphed(backbone(device)), backbone(device)
     x = batch(device)
     hook = _double if kind == "forward" else _shift_input
-    _hooks_added_then_removed(model, twin, x, lambda: [
-        getattr(m[0], f"register_{kind}_hook")(hook) for m in (model, twin)])
+    _hooks_added_then_removed(
+        model,
+        twin,
+        x,
+        lambda: [getattr(m[0], f"register_{kind}_hook")(hook) for m in (model, twin)],
+    )
     [(state, calls, eager_calls, replays)] = states(model)
     assert (state, calls, eager_calls, replays) == ("graphed", 9, 1, 8)  # twice recaptured
 
@@ -115,8 +123,12 @@ def test_a_hook_added_to_a_submodule_after_capture_applies_and_stops_when_remove
 def test_a_hook_added_or_removed_after_capture_in_a_region_applies_as_eagerly(device):
     model, twin = backbone(device), backbone(device)
     region, x = autograph.region(), batch(device)
-    _hooks_added_then_removed(lambda x: _in_region(region, model, x), twin, x, lambda: [
-        m[2].register_forward_hook(_double) for m in (model, twin)])
+    _hooks_added_then_removed(
+        lambda x: _in_region(region, model, x),
+        twin,
+        x,
+        lambda: [m[2].register_forward_hook(_double) for m in (model, twin)],
+    )
     [(state, calls, eager_calls, replays)] = states(model)
     assert (state, calls, eager_calls, replays) == ("graphed", 9, 1, 8)  # twice recaptured
 
@@ -134,7 +146,6 @@ def test_a_top_level_hook_removed_after_capture_in_a_region_stops_applying(devic
     assert (state, calls, eager_calls, replays) == ("graphed", 6, 1, 5)
 
 
-
 def test_a_global_forward_hook_added_after_capture_applies_and_stops_when_removed(device):
     model, twin = autograph.graphed(backbone(device)), backbone(device)
     x = batch(device)
@@ -142,15 +153,17 @@ def test_a_global_forward_hook_added_after_capture_applies_and_stops_when_remove
     def double_gelus(module, args, output):  # every GELU's output doubled, both models'
         return output * 2 if isinstance(module, torch.nn.GELU) else None
 
-    _hooks_added_then_removed(model, twin, x, lambda: [
-        torch.nn.modules.module.register_module_forward_hook(double_gelus)])
+    _hooks_added_then_removed(
+        model, twin, x, lambda: [torch.nn.modules.module.register_module_forward_hook(double_gelus)]
+    )
     [(state, calls, eager_calls, replays)] = states(model)
     assert (state, calls, eager_calls, replays) == ("graphed", 9, 1, 8)
 
+
 # ---- a module backward hook added after a training capture ----
 
-def test_a_backward_pre_hook_added_after_a_training_capture_makes_the_key_eager(
-        device, caught):
+
+def test_a_backward_pre_hook_added_after_a_training_capture_makes_the_key_eager(device, caught):
     model = autograph.graphed(backbone(device))
     x = batch(device)
     for _ in range(3):
@@ -167,6 +180,7 @@ def test_a_backward_pre_hook_added_after_a_training_capture_makes_the_key_eager(
 
 
 # ---- weights swapped in with p.data ----
+
 
 def _swap(model, ema):
     for p, e in zip(model.parameters(), ema.parameters()):

@@ -1,16 +1,18 @@
 """The one dispatch mode of a watched run (``_modes.OpWatch``): observers entered inside one
 another share it, each sees every op once, and composite ops taken apart by the guard are seen
 whole or in parts as each observer asks."""
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from autograph.watch._guard import GuardError, LibraryUse, UnsafeOpDetector
 from autograph.watch._modes import BOTH, PARTS, WHOLE, OpWatch
 from autograph.watch._reads import CallWatch
 from autograph.watch._size_reads import NumbersOf
-from autograph.watch._unsafe_ops import CPU_OPERATION
 from autograph.watch._undo import UndoWrites
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from autograph.watch._unsafe_ops import CPU_OPERATION
+
 from helpers.modes import Names, modes_on_the_stack
 
 

@@ -1,14 +1,16 @@
 """Observers of a split composite op: under inference mode each observer sees each op once, and one
 that joins and leaves inside a split op leaves the mode stack clean.
 """
+
 import torch
+
 from autograph.watch._guard import UnsafeOpDetector
 from autograph.watch._modes import BOTH, PARTS, WHOLE
 from autograph.watch._reads import CallWatch
 from autograph.watch._size_reads import NumbersOf
 from autograph.watch._undo import UndoWrites
-from helpers.modes import Names, modes_on_the_stack
 
+from helpers.modes import Names, modes_on_the_stack
 
 # A composite op of Python's: its kernel runs between the parts, where an observer can join.
 _LIBRARY = torch.library.Library("autograph_tests", "DEF")
@@ -33,11 +35,19 @@ def test_nested_composites_under_inference_mode_each_observer_sees_each_op_once(
     running_mean, running_var = torch.zeros(3), torch.ones(3)
     whole, parts, both, numbers = Names(WHOLE), Names(PARTS), Names(BOTH), {}
     with torch.inference_mode():
-        with UndoWrites() as undo, whole, CallWatch() as watch, NumbersOf(numbers, 2), \
-                parts, both, UnsafeOpDetector("cpu", raise_on_unsafe=False) as guard:
+        with (
+            UndoWrites() as undo,
+            whole,
+            CallWatch() as watch,
+            NumbersOf(numbers, 2),
+            parts,
+            both,
+            UnsafeOpDetector("cpu", raise_on_unsafe=False) as guard,
+        ):
             assert modes_on_the_stack() == 1
-            y = torch.nn.functional.instance_norm(x, running_mean, running_var,
-                                                  use_input_stats=True, momentum=0.5)
+            y = torch.nn.functional.instance_norm(
+                x, running_mean, running_var, use_input_stats=True, momentum=0.5
+            )
             y = y * external
     assert modes_on_the_stack() == 0 and guard.finding is None
     assert whole.names == ["instance_norm", "mul"]

@@ -8,6 +8,7 @@ schemas do not mark the running statistics as written, and ``instance_norm``'s n
 cuDNN. Each failed before its fix (composite norms in ``_reads._UPDATES_RUNNING_STATS`` and
 ``_unsafe_ops._CUDNN_OPS``); the others guard fragile points that held.
 """
+
 import threading
 
 import pytest
@@ -18,10 +19,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autograph
 from autograph.watch._guard import LibraryUse, UnsafeOpDetector
+
 from conftest import states
 from helpers.modes import modes_on_the_stack
-
-
 
 
 def lives_of(fn):
@@ -30,9 +30,13 @@ def lives_of(fn):
 
 # ---- capture() takes its warmups' writes back (UndoWrites) -------------------------------
 
+
 def running_stats(module):
-    return [module.running_mean.clone(), module.running_var.clone(),
-            module.num_batches_tracked.clone()]
+    return [
+        module.running_mean.clone(),
+        module.running_var.clone(),
+        module.num_batches_tracked.clone(),
+    ]
 
 
 NORMS = {
@@ -78,12 +82,14 @@ COMPOSITE_WRITES = {
     # A tensor made on the device: with a Python number, index_put_ copies it from the host,
     # which a CUDA capture refuses (the guard makes that key eager: test_guard_cuda.py).
     "x[idx] = v": lambda s, i: s.__setitem__(i, s.new_full((), 7.0)),
-    "matmul(out=)": lambda s, i: torch.matmul(torch.ones(3, 2, device=s.device),
-                                             torch.ones(2, 4, device=s.device), out=s),
+    "matmul(out=)": lambda s, i: torch.matmul(
+        torch.ones(3, 2, device=s.device), torch.ones(2, 4, device=s.device), out=s
+    ),
     "copy_ through a view": lambda s, i: s.t()[1:3].copy_(torch.zeros(2, 3, device=s.device)),
     "fill_diagonal_": lambda s, i: s.fill_diagonal_(5.0),
-    "index_put_ accumulate": lambda s, i: s.index_put_((i,), torch.ones(2, 4, device=s.device),
-                                                       accumulate=True),
+    "index_put_ accumulate": lambda s, i: s.index_put_(
+        (i,), torch.ones(2, 4, device=s.device), accumulate=True
+    ),
 }
 
 
@@ -112,9 +118,11 @@ def test_capture_ahead_under_inference_mode_takes_back_composite_writes(device, 
 
 # ---- what the warmup notes for the capture (LibraryUse) ----------------------------------
 
+
 def instance_norm(x):
-    return F.instance_norm(x, weight=torch.ones(3, device=x.device),
-                           bias=torch.zeros(3, device=x.device))
+    return F.instance_norm(
+        x, weight=torch.ones(3, device=x.device), bias=torch.zeros(3, device=x.device)
+    )
 
 
 def test_the_warmup_notes_cudnn_as_the_guard_does_without_inference_mode():
@@ -144,11 +152,12 @@ def test_the_warmup_notes_cudnn_under_inference_mode(device):
         assert guard.uses_cudnn  # what the warmup noted before 348c09f
         step(x)
     assert states(step) == [("warmup", 1, 1, 0)]  # watched: the next call captures
-    life, = lives_of(step)
+    (life,) = lives_of(step)
     assert life.uses_cudnn
 
 
 # ---- running stats passed as arguments, and verify, under inference_mode ------------------
+
 
 # Not a regression (4099a33 did the same), found here: the read/write watch (CallWatch, WHOLE)
 # sees aten.batch_norm whole under inference_mode, and _reads.written_tensors knows the running
@@ -166,8 +175,9 @@ def test_running_stats_passed_as_arguments_are_updated_by_every_call(device):
     with torch.inference_mode():
         for _ in range(3):
             x = torch.randn(2, 4, 3, device=device) + 5
-            torch.testing.assert_close(step(x, rm, rv),
-                                       F.batch_norm(x, expected_rm, expected_rv, training=True))
+            torch.testing.assert_close(
+                step(x, rm, rv), F.batch_norm(x, expected_rm, expected_rv, training=True)
+            )
     assert states(step) == [("graphed", 3, 1, 2)]
     torch.testing.assert_close(rm, expected_rm)
     torch.testing.assert_close(rv, expected_rv)
@@ -194,6 +204,7 @@ def test_verify_takes_back_its_eager_run_of_a_batch_norm_in_training(device):
 
 # ---- nesting: other modes inside, errors inside a split op, threads -----------------------
 
+
 class CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -206,8 +217,9 @@ class CountOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("inference", [False, True])
 @pytest.mark.parametrize("inner", ["own mode", "FlopCounterMode"])
-def test_a_mode_the_function_enters_itself_leaves_graphs_and_the_stack_alone(device, inner,
-                                                                             inference):
+def test_a_mode_the_function_enters_itself_leaves_graphs_and_the_stack_alone(
+    device, inner, inference
+):
     w = torch.randn(4, 4, device=device)
 
     def reference(x):
@@ -215,7 +227,7 @@ def test_a_mode_the_function_enters_itself_leaves_graphs_and_the_stack_alone(dev
 
     @autograph.graphed
     def step(x):
-        with (CountOps() if inner == "own mode" else FlopCounterMode(display=False)):
+        with CountOps() if inner == "own mode" else FlopCounterMode(display=False):
             return reference(x)
 
     with torch.inference_mode(inference):
@@ -232,6 +244,7 @@ def test_an_error_inside_a_composite_op_at_capture_leaves_no_mode_behind(device)
     def run_count():
         run_count.n += 1
         return run_count.n
+
     run_count.n = 0
 
     @autograph.graphed

@@ -2,6 +2,7 @@
 own (what a snapshot sees, names and takes back), then end to end through the engine (a key's
 capture compares the state before and after its run of the Python; ``capture()`` takes back
 what its warmups made)."""
+
 import copy
 import gc
 import types
@@ -13,18 +14,21 @@ import torch
 import autograph
 from autograph.watch._python_state import PythonState, per_call_reason
 from autograph.watch._reads import roots_of
+
 from conftest import autograph_warnings, states
 from helpers.models import tiny_decoder
 
+
 def state_of(fn, instance=None, args=(), kwargs=None, **options):
     kwargs = kwargs or {}
-    names = list(fn.__code__.co_varnames[:fn.__code__.co_argcount])
+    names = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
     if instance is not None:
         names = names[1:]
     return PythonState.of(roots_of(fn, instance, names, args, kwargs), fn, **options)
 
 
 # ---- what a snapshot sees ----
+
 
 class Counting(torch.nn.Module):
     def __init__(self):
@@ -102,7 +106,7 @@ def test_training_flags_hooks_tensor_contents_and_rebinding_are_not_python_state
     def step(x):
         model.train(not model.training)
         model.linear.register_forward_hook(lambda *a: None)
-        model.linear.weight.data.add_(1)            # contents: the undo's business
+        model.linear.weight.data.add_(1)  # contents: the undo's business
         model.linear.bias = torch.nn.Parameter(torch.zeros(3, device=device))  # the read watch's
         return model.linear(x)
 
@@ -219,23 +223,38 @@ def test_the_reason_names_the_place_and_the_fix():
 
 # ---- transformers' caches ----
 
-@pytest.mark.parametrize("kind, sliding", [("llama", False), ("qwen2", False), ("gpt2", False),
-                                           ("mistral", True), ("gemma2", True),
-                                           ("gemma3", True)])
-def test_a_decode_step_changes_python_state_only_with_a_sliding_window_cache(
-        kind, sliding, device):
+
+@pytest.mark.parametrize(
+    "kind, sliding",
+    [
+        ("llama", False),
+        ("qwen2", False),
+        ("gpt2", False),
+        ("mistral", True),
+        ("gemma2", True),
+        ("gemma3", True),
+    ],
+)
+def test_a_decode_step_changes_python_state_only_with_a_sliding_window_cache(kind, sliding, device):
     transformers, config, model = tiny_decoder(kind)
     model = model.to(device)
     cache = transformers.StaticCache(config=config, max_cache_len=32)
     names = ["input_ids", "attention_mask", "position_ids", "past_key_values"]
     with torch.inference_mode():
-        model(input_ids=torch.randint(0, 256, (1, 8), device=device), past_key_values=cache,
-              use_cache=True)
-        for step in range(3):   # the first decode step (a warmup) may make state once
-            kwargs = dict(input_ids=torch.randint(0, 256, (1, 1), device=device),
-                          past_key_values=cache, use_cache=True)
-            state = PythonState.of(roots_of(type(model).forward, model, names, (), kwargs),
-                                   type(model).forward)
+        model(
+            input_ids=torch.randint(0, 256, (1, 8), device=device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        for _step in range(3):  # the first decode step (a warmup) may make state once
+            kwargs = dict(
+                input_ids=torch.randint(0, 256, (1, 1), device=device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            state = PythonState.of(
+                roots_of(type(model).forward, model, names, (), kwargs), type(model).forward
+            )
             model(**kwargs)
     changes = state.changes()
     if sliding:
@@ -247,10 +266,13 @@ def test_a_decode_step_changes_python_state_only_with_a_sliding_window_cache(
 
 # ---- end to end, through the engine ----
 
-@pytest.mark.parametrize("kind, prompt_length", [("mistral", 8), ("gemma2", 8), ("gemma3", 8),
-                                                  ("gemma3", 24)])
+
+@pytest.mark.parametrize(
+    "kind, prompt_length", [("mistral", 8), ("gemma2", 8), ("gemma3", 8), ("gemma3", 24)]
+)
 def test_generate_with_a_sliding_window_static_cache_in_a_region_gives_eagers_tokens(
-        kind, prompt_length, device, caught):
+    kind, prompt_length, device, caught
+):
     # Before the capture compared Python state, gemma3 on CUDA ended in a device-side assert
     # (index_copy_ out of bounds: replays left the cache's counter where the capture left it
     # and wrote past the window of 16), which breaks every later CUDA call of the process.
@@ -266,8 +288,12 @@ def test_generate_with_a_sliding_window_static_cache_in_a_region_gives_eagers_to
 
     def generate(m):
         caches.append(transformers.StaticCache(config=config, max_cache_len=64))
-        return m.generate(prompt, max_new_tokens=30 if prompt_length < 16 else 12,
-                          do_sample=False, past_key_values=caches[-1])
+        return m.generate(
+            prompt,
+            max_new_tokens=30 if prompt_length < 16 else 12,
+            do_sample=False,
+            past_key_values=caches[-1],
+        )
 
     with torch.inference_mode():
         expected = generate(model)
@@ -283,9 +309,9 @@ def test_generate_with_a_sliding_window_static_cache_in_a_region_gives_eagers_to
         # Eager's tokens are what matters, and they were checked above.
         assert device == "cuda"
         return
-    decode, = decodes
-    assert (decode.state, decode.replays) == ("eager", 1)   # the capture call's own replay
-    assert decode.calls == got.shape[1] - prompt_length - 1   # every decode step
+    (decode,) = decodes
+    assert (decode.state, decode.replays) == ("eager", 1)  # the capture call's own replay
+    assert decode.calls == got.shape[1] - prompt_length - 1  # every decode step
     counter = f"cumulative_length_int: {prompt_length + 1} -> {prompt_length + 2}"
     assert counter in decode.fallback_reason
     assert len([m for m in autograph_warnings(caught) if "cumulative_length_int" in m]) == 1
@@ -298,7 +324,7 @@ class Record:
 def test_a_counter_on_the_module_an_argument_or_a_global_runs_eagerly_and_counts(device, caught):
     global calls_made
     model = autograph.graphed(Counting().to(device))
-    record = Record()    # an object keyed by identity
+    record = Record()  # an object keyed by identity
 
     @autograph.graphed
     def tally(x, record):
@@ -314,8 +340,11 @@ def test_a_counter_on_the_module_an_argument_or_a_global_runs_eagerly_and_counts
         graphed_global(x)
     assert (model.steps, record.count, calls_made - before) == (5, 5, 5)
     # each key's capture (its second call) is where the change is seen
-    for target, change in ((model, "Counting.steps: 1 -> 2"), (tally, "record.count: 1 -> 2"),
-                           (graphed_global, f"calls_made: {before + 1} -> {before + 2}")):
+    for target, change in (
+        (model, "Counting.steps: 1 -> 2"),
+        (tally, "record.count: 1 -> 2"),
+        (graphed_global, f"calls_made: {before + 1} -> {before + 2}"),
+    ):
         row = autograph.stats(target)[0]  # its own key (an island of its submodules follows)
         assert (row.state, row.calls, row.replays) == ("eager", 5, 1)
         assert change in row.fallback_reason
@@ -333,11 +362,13 @@ def test_capture_ahead_of_an_sgd_momentum_step_leaves_the_optimizer_as_before(de
             loss.backward()
             optimizer.step()
             return loss.detach()
+
         return step
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    eager_step = train_step(reference, torch.optim.SGD(reference.parameters(), lr=0.1,
-                                                       momentum=0.9))
+    eager_step = train_step(
+        reference, torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    )
     step = autograph.graphed(train_step(model, optimizer))
     x, y = torch.randn(8, 4, device=device), torch.randn(8, 2, device=device)
     weights = [p.detach().clone() for p in model.parameters()]
@@ -347,7 +378,7 @@ def test_capture_ahead_of_an_sgd_momentum_step_leaves_the_optimizer_as_before(de
     # The warmup made the momentum buffers (taken back): a graph recorded after it would
     # replay a later call's branch, so none is kept and the key warms up from its first call.
     assert [r.state for r in rows] == ["warmup"]
-    message, = autograph_warnings(caught)
+    (message,) = autograph_warnings(caught)
     assert "not captured" in message and "optimizer.state[m.weight]: added" in message
     for _ in range(6):
         assert torch.equal(step(x, y), eager_step(x, y))
@@ -360,6 +391,7 @@ def test_a_capture_that_fails_after_changing_python_state_leaves_it_as_eager_wou
     counter, as a sliding-window cache layer's) before the op it refused; the eager run that
     follows must start from the state before the capture, or the counter moves twice (on the
     H200, Gemma 3's cache layers went out of step and generate() gave other tokens)."""
+
     class Counted(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -373,8 +405,9 @@ def test_a_capture_that_fails_after_changing_python_state_leaves_it_as_eager_wou
 
     model = autograph.graphed(Counted())
     for n in range(1, 5):
-        torch.testing.assert_close(model(torch.ones(3, device=device)),
-                                   torch.full((3,), 2.0, device=device))
+        torch.testing.assert_close(
+            model(torch.ones(3, device=device)), torch.full((3,), 2.0, device=device)
+        )
         assert model.steps == n
     row = autograph.stats(model)[0]
     assert (row.state, row.calls, row.eager_calls, row.replays) == ("eager", 4, 4, 0)

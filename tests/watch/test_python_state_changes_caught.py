@@ -2,10 +2,14 @@
 growth, a counting module in a region; a lazily made cache attribute and a value set to itself
 stay graphed.
 """
+
 import copy
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")

@@ -1,14 +1,18 @@
 """Python state seen through proxies and odd objects: wrapt proxies, classes that override
 __class__, objects that count their reads; a fresh NaN in a tuple is no change.
 """
+
+import collections  # noqa: E402
+import math
+
 import pytest
 import torch
-import autograph
-from conftest import states
-import collections  # noqa: E402
 import wrapt  # noqa: E402
-import math
+
+import autograph
 from autograph.watch._python_state import PythonState
+
+from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
 
@@ -92,6 +96,7 @@ class _Holder:
 
 class _CountsItsReads:
     """An object whose attribute reads have a side effect (they are counted elsewhere)."""
+
     reads = [0]
 
     def __getattribute__(self, name):
@@ -122,10 +127,14 @@ def test_the_survey_sees_through_proxies_and_odd_objects_as_before():
     # Its class counts the survey's own reads in a class-level list: class state (issue 35).
     assert any(line.startswith("type(h.odd).reads[0]: ") for line in changes), changes
     assert [line for line in changes if not line.startswith("type(h.odd)")] == [
-        "h.proxied_list: length 2 -> 3", "h.inner: length 2 -> 3", "h.proxied_obj.x: 1 -> 2",
-        "h.odd.x: 1 -> 2", "h.module.count: 0 -> 1",
+        "h.proxied_list: length 2 -> 3",
+        "h.inner: length 2 -> 3",
+        "h.proxied_obj.x: 1 -> 2",
+        "h.odd.x: 1 -> 2",
+        "h.module.count: 0 -> 1",
         "h.atoms: (1, 2.0, 'a', (3, None)) -> (1, 2.0, 'a', (3, 4))",
-        "h.frozen: frozenset({1, 2}) -> frozenset({1, 3})"]
+        "h.frozen: frozenset({1, 2}) -> frozenset({1, 3})",
+    ]
 
 
 def test_a_tuple_holding_a_fresh_nan_is_no_change():

@@ -2,9 +2,12 @@
 argument, its state set between replays, reached as a (private) attribute, in a training key, as
 a default value under verify.
 """
+
 import pytest
 import torch
+
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -21,7 +24,7 @@ class _Noisy(torch.nn.Module):
 
 def _draws_after_a_swap(device, graph):
     first = torch.Generator(device=device).manual_seed(1)
-    second = torch.Generator(device=device).manual_seed(2)   # both stay alive
+    second = torch.Generator(device=device).manual_seed(2)  # both stay alive
     module = _Noisy(first)
     fn = autograph.graphed(module) if graph else module
     outputs = []
@@ -120,6 +123,7 @@ def test_a_training_key_with_a_dropout_mask_from_a_private_generator(device):
         def forward(x):
             mask = torch.bernoulli(torch.full_like(x, 0.5), generator=model.mask_generator)
             return model(x) * mask
+
         fn = autograph.graphed(forward) if graph else forward
         steps = []
         for _ in range(5):

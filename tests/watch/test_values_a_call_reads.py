@@ -3,12 +3,14 @@ a stateful callable a module holds, a full deque, a dict of more than 256 entrie
 counter, torch's default dtype. Each gives eager's values; where the graph can stay right, a
 graph replays (docs/design.md, "What a replay assumes").
 """
+
 import collections
 
 import pytest
 import torch
 
 import autograph
+
 from conftest import states
 
 pytestmark = pytest.mark.usefixtures("caught")
@@ -42,8 +44,9 @@ def test_a_flag_the_caller_resets_on_a_cache_object_is_read_again(device):
         enc = torch.randn(4, device=device)
         for _ in range(4):  # the first step computes the K/V, the others read them
             x = torch.randn(4, device=device)
-            torch.testing.assert_close(g(x, enc, cache), _cached_step(x, enc, eager_cache),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                g(x, enc, cache), _cached_step(x, enc, eager_cache), rtol=0, atol=0
+            )
     # The first input's first step warms up, its second captures; from then on only each
     # input's first step (the flag that reset() cleared) runs eagerly, and the graph stays.
     assert states(g) == [("graphed", 12, 1 + 2, 9)]
@@ -78,7 +81,7 @@ class _Schedule:
 
     def __call__(self):
         self.step += 1
-        return 0.5 ** self.step
+        return 0.5**self.step
 
 
 def test_a_stateful_callable_a_module_holds_is_its_state(device):
@@ -190,6 +193,7 @@ def test_a_flag_the_caller_resets_is_read_again_in_a_region(device):
             enc = torch.randn(4, device=device)
             for _ in range(4):
                 x = torch.randn(4, device=device)
-                torch.testing.assert_close(step(x, enc, cache),
-                                           _cached_step(x, enc, eager_cache), rtol=0, atol=0)
+                torch.testing.assert_close(
+                    step(x, enc, cache), _cached_step(x, enc, eager_cache), rtol=0, atol=0
+                )
     assert states(region) == [("graphed", 12, 1 + 2, 9)]
