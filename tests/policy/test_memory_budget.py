@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import autograph
+from autograph.policy._memory_budget import MAX_EVICTIONS
 
 
 def _held(fn):
@@ -41,8 +42,13 @@ def test_a_long_run_of_40_shapes_stays_within_the_budget_with_no_wrong_result(de
     assert wrong == 0 and peak <= budget
     assert sum(r.replays for r in rows) > 40  # graphs were captured and replayed throughout
     assert sum(r.evictions for r in rows) > 0
-    thrashed = [r for r in rows if r.state == "eager"]
-    assert thrashed and all("max_graph_memory" in r.fallback_reason for r in thrashed)
+    # A key dropped past MAX_EVICTIONS runs eagerly, saying why. Whether any key gets there
+    # depends on the figure: on CUDA a capture that reuses its pool's freed blocks adds
+    # little reserved memory, so fewer graphs are dropped than on the emulation.
+    thrashed = [r for r in rows if r.evictions > MAX_EVICTIONS]
+    assert all(r.state == "eager" and "max_graph_memory" in r.fallback_reason for r in thrashed)
+    if device == "cpu":
+        assert thrashed
 
 
 def _by_rows(fn):
