@@ -75,7 +75,7 @@ def python_run_log():
     Tests count runs of a function's Python through this, never through a list, an int or an
     attribute the function can reach (a closure, a global, an argument, the module): a call
     that changes Python state it reaches makes its key eager (docs/design.md, "Python state";
-    ``autograph/_python_state.py``), which would turn a test of graphs into a test of that
+    ``autograph/watch/_python_state.py``), which would turn a test of graphs into a test of that
     rule. Functions are never walked as a call's state, so what this logs is out of the call's
     reach, as a print is."""
 

@@ -302,6 +302,21 @@ def test_the_design_cites_sections_that_exist():
     assert cited - headings == set()
 
 
+def test_the_files_the_docs_and_code_name_exist():
+    # A test or module moved (the package and the tests are laid out by concept) leaves a
+    # stale path in prose; a reader following it finds nothing.
+    named = re.compile(r"\b((?:autograph|tests|benchmarks|examples|docs)/[\w/.-]+\.(?:py|md))")
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    texts = [*pages, *modules().values(), *sorted((ROOT / "tests").rglob("*.py"))]
+    missing = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in texts
+        for name in set(named.findall(path.read_text()))
+        if not (ROOT / name).exists()
+    )
+    assert missing == []
+
+
 # ---- the Python calls of a steady-state replay ----
 
 

@@ -16,7 +16,7 @@ from conftest import states
 pytestmark = pytest.mark.usefixtures("caught")
 
 
-# Was a defect (fixed in this session): Engine.free (autograph/_engine.py) runs gc.collect()
+# Was a defect (fixed in this session): Engine.free (autograph/engine/_engine.py) runs gc.collect()
 # whenever its devices are not empty,  and autograph.reset() calls it once per graphed function
 # (_report.reset): 20 modules  graphed in a region made 20 full collections, 3.5 s with
 # transformers imported (50  functions: 7.5 s); one collection before all the frees would do

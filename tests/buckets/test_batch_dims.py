@@ -1,4 +1,5 @@
-"""Which output dims follow the batch (autograph/_batch_dims.py), from runs at several sizes."""
+"""Which output dims follow the batch (autograph/buckets/_batch_dims.py), from runs at several
+sizes."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Whether a bucket's graph mixes rows (autograph/_row_mixing.py), probed by a second replay
+"""Whether a bucket's graph mixes rows (autograph/buckets/_row_mixing.py), probed by a second replay
 whose pad rows hold copies of the real rows; a plain function on static tensors stands in for
 the replay of a graph here."""
 

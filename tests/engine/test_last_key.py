@@ -1,5 +1,5 @@
 """The last key replayed is found by torch's C++ tensor guards before any Python keying
-(autograph/_last_key.py): a call that matches it skips ``call_key``; any difference the key
+(autograph/engine/_last_key.py): a call that matches it skips ``call_key``; any difference the key
 holds (shape, strides, dtype, requires_grad, a tensor subclass, the number of arguments, grad
 mode, options) sends the call to the Python key, which finds or makes the right key."""
 

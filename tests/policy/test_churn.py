@@ -1,4 +1,4 @@
-"""The churn policy (autograph/_churn.py) on its own: when calls pass through, for how long,
+"""The churn policy (autograph/policy/_churn.py) on its own: when calls pass through, for how long,
 and what its report row says. The engine's use of it is tested in test_slower.py."""
 
 from types import SimpleNamespace

@@ -45,8 +45,8 @@ def _serve(fn, device, requests, steps=8):
     return outputs, seen
 
 
-# Was a defect (fixed in this session): Churn.new_key (autograph/_churn.py) sums the replays of
-# the cache's live entries: the  decode key replays, then dies with its request's cache and is
+# Was a defect: Churn.new_key (autograph/policy/_churn.py) sums the replays of the cache's live
+# entries: the  decode key replays, then dies with its request's cache and is
 # dropped (KeyCache.forget_dead)  before the next new key, so its replays leave the sum and never
 # reset the streak; the  prefill keys died unused, and after two of them (ORPHANS=2) calls pass
 # through with a  warning that no graph replayed (before this session: after 8 requests, at
@@ -79,9 +79,9 @@ def test_a_new_object_per_epoch_whose_key_replays_keeps_being_graphed(device, ca
     assert not [m for m in autograph_warnings(caught) if "no graph replayed" in m]
 
 
-# Was a defect (fixed in this session): keys captured ahead with a scratch object die unused when
-# it is dropped:  KeyCache.forget_dead (autograph/_key_cache.py) counts each as key_died_unused,
-# and the  first call with the object the user keeps passes through at once (ORPHANS=2), warning
+# Was a defect: keys captured ahead with a scratch object die unused when it is dropped:
+# KeyCache.forget_dead (autograph/engine/_key_cache.py) counts each as key_died_unused, and the
+# first call with the object the user keeps passes through at once (ORPHANS=2), warning
 # 'an argument is a new object on each call', which is untrue
 def test_keys_captured_ahead_with_a_scratch_object_do_not_send_later_calls_through(device, caught):
     fn = autograph.graphed(_forward)
@@ -140,7 +140,7 @@ def test_generate_with_a_static_cache_keeps_replaying_its_decode_step_on_the_emu
     assert all(r.replays >= 14 for _, r in runs), [r for _, r in runs]
 
 
-# Defect: Churn.key_died (autograph/_churn.py:103) counts a dead key as paid only when
+# Defect: Churn.key_died (autograph/policy/_churn.py:103) counts a dead key as paid only when
 # replays > recaptures + 1, taking one replay as its capture call's own; a key captured ahead
 # by capture() has no such replay, so its one real replay is not counted. Each request's
 # prefill key dies unused; after two requests (ORPHANS) calls pass through, the graph captured

@@ -1,6 +1,6 @@
-"""Never slower than eager (issue 23; docs/design.md, "Never slower") for HF generate() in a region,
-through the emulation: tokens equal eager's, and what the engine did, call by call. These fail until
-the churn policy (autograph/_churn.py) is wired in and generate()'s own StaticCache is reused."""
+"""Never slower than eager (docs/design.md, "Never slower") for HF generate() in a region,
+through the emulation: tokens equal eager's, and what the engine did, call by call: the churn
+policy (autograph/policy/_churn.py) and generate()'s own StaticCache reused."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The payoff measurer (autograph/_payoff.py) on its own, with plain numbers for the GPU
+"""The payoff measurer (autograph/policy/_payoff.py) on its own, with plain numbers for the GPU
 clock (on the emulation timings mean nothing), and its CUDA clock on a GPU."""
 
 import io
