@@ -259,6 +259,29 @@ def test_sparse_arguments_run_eagerly_with_the_reason(device):
     assert row.state == "eager" and "sparse" in row.fallback_reason
 
 
+class SparseHolder(torch.nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.register_buffer("weight", torch.eye(3, device=device).to_sparse())
+
+    def forward(self, x):
+        return torch.sparse.mm(self.weight, x) + 1
+
+
+def test_sparse_state_rebound_after_capture_is_never_replayed_stale(device):
+    # The emulation recorded the sparse op and held the old buffer: a rebound one replayed it.
+    holder = SparseHolder(device)
+    graphed = autograph.graphed(holder)
+    x = torch.randn(3, 2, device=device)
+    with pytest.warns(autograph.AutographWarning, match="sparse_coo tensor"):
+        for _ in range(3):
+            assert torch.equal(graphed(x), x + 1)
+    holder.weight = (torch.eye(3, device=device) * 5).to_sparse()
+    assert torch.equal(graphed(x), x * 5 + 1)
+    (row,) = autograph.stats(holder)
+    assert row.state == "eager" and "to_dense()" in row.fallback_reason
+
+
 def test_nested_arguments_run_eagerly_with_the_reason(device):
     @autograph.graphed
     def lengths(x):

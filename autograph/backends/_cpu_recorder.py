@@ -241,6 +241,13 @@ class Recorder(CompiledCodeRunsUnder):
         return output
 
     def _hold(self, tensor: torch.Tensor) -> Any:
+        if tensor.layout is not torch.strided:
+            # Held strongly, a rebound sparse tensor would replay the old one; the guard
+            # refuses sparse work before any capture (_unsafe_ops), and so does this graph.
+            raise RuntimeError(
+                f"the emulated capture records an op on a {tensor.layout} tensor, which a "
+                f"graph could only read by address: autograph graphs strided tensors only"
+            )
         if not _rebuildable(tensor):
             return tensor  # no storage to hold instead; rare on graphed paths
         if _storage_key(tensor) in self.pool:

@@ -233,7 +233,7 @@ class UnsafeOpDetector(LibraryUse):
 
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> None:
         super().before(func, args, kwargs, tensors)
-        unsafe = unsafe_op(func, args, kwargs, self.device_type)
+        unsafe = unsafe_op(func, args, kwargs, self.device_type, tensors)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))
 

@@ -137,8 +137,29 @@ def traits_of(func: Any) -> _Traits:
     return traits
 
 
-def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str) -> Optional[Tuple[str, str]]:
-    """(operation, consequence) when ``func`` cannot be captured on ``device_type``."""
+_NOT_STRIDED_CONSEQUENCE = (
+    "reads it by address through its indices and values, which autograph does not watch: a "
+    "replay after it is rebound or rebuilt would read the old one; make it dense "
+    "(.to_dense()) or run the sparse op outside the graphed function"
+)
+
+
+def unsafe_op(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    device_type: str,
+    tensors: Optional[Sequence[torch.Tensor]] = None,
+) -> Optional[Tuple[str, str]]:
+    """(operation, consequence) when ``func`` cannot be captured on ``device_type``;
+    ``tensors`` are those it is passed, when the caller has found them already."""
+    if tensors is None:
+        tensors = list(tensors_in((*args, *kwargs.values())))
+    for tensor in tensors:
+        if tensor.layout is not torch.strided:
+            # Sparse state (a buffer, a global) and sparse tensors made inside: arguments are
+            # refused by their key. Read by address without a storage to watch (_reads).
+            return f"computing with a {_layout_name(tensor)} tensor", _NOT_STRIDED_CONSEQUENCE
     traits = TRAITS.get(func) or traits_of(func)
     on_device = (traits.host_read or traits.index is not None or traits.dynamic_shape) and any(
         t.device.type == device_type for t in tensors_in(args)
@@ -188,6 +209,11 @@ def unsafe_op(func: Any, args: tuple, kwargs: dict, device_type: str) -> Optiona
             return None
         return _DATA_DEPENDENT_NAMES.get(name, f"torch.{name}"), _SHAPE_CONSEQUENCE
     return None
+
+
+def _layout_name(tensor: torch.Tensor) -> str:
+    """``'sparse_coo'`` for a COO tensor: the layout as torch names it, without ``torch.``."""
+    return str(tensor.layout).replace("torch.", "")
 
 
 def _number_assigned(args: tuple, kwargs: dict) -> Optional[Tuple[str, str]]:
