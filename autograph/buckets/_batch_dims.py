@@ -40,7 +40,7 @@ Dims = Tuple[Tuple[int, ...], ...]
 _Leaf = Tuple[str, Any]
 
 
-def _as_evidence(leaf: Any) -> _Leaf:
+def as_evidence(leaf: Any) -> _Leaf:
     if isinstance(leaf, Tensor):
         return ("tensor", tuple(leaf.shape))
     if type(leaf) in (int, float):  # bool is not a size
@@ -107,7 +107,7 @@ class BatchShapes:
     def note(self, size: int, leaves: Sequence[Any]) -> None:
         """Note the flattened outputs of one run whose padded dims had ``size`` rows."""
         if size not in self.runs:
-            self.runs[size] = [_as_evidence(leaf) for leaf in leaves]
+            self.runs[size] = [as_evidence(leaf) for leaf in leaves]
             self._decided = None
 
     @property

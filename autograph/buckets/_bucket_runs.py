@@ -27,17 +27,21 @@ well.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, List, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Tuple
 
 import torch
 
 from .._profile import profile_range
 from ..capture._outputs import flatten_output, real_rows
 from ..policy._verify import verified_replay
+from ..watch._python_state import PythonState
 from ..watch._reads import storage_ptr
 from ..watch._size_reads import NumbersOf, size_read
+from ..watch._undo import generator_states
+from ._batch_dims import as_evidence
 from ._buckets import padded_arguments
 from ._row_mixing import SavedState, mixes_rows
+from ._symbolic_batch import symbolic_shapes
 
 Tensor = torch.Tensor
 
@@ -101,6 +105,8 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
     leaves, rebuild = flatten_output(outputs)
     padding.shapes.note(bucket, leaves)
     decision = padding.shapes.decide(rows, bucket)
+    if decision.undecided is not None and _noted_symbolic_run(life, c, args, kwargs, padded):
+        decision = padding.shapes.decide(rows, bucket)
     if decision.dims is None:
         if decision.refused is not None:
             refuse(life, decision.refused)
@@ -128,6 +134,37 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
             for leaf, dims in zip(leaves, decision.dims)
         ]
     )
+
+
+def _noted_symbolic_run(
+    life: Any, c: Any, args: tuple, kwargs: dict, padded: Dict[int, Tensor]
+) -> bool:
+    """Note the family's outputs at a second size, from a run of the function on fake tensors
+    whose batch dim is a symbol (``_symbolic_batch``); whether it could. Only the shapes of
+    that run are kept: the Python state the call reaches and the random generators are put
+    back after it."""
+    padding = c.padding
+    bucket = padding.bucket
+    batch_dims = {i: padding.dims[i][0] for i in padded}
+    state = PythonState.of(life.function.roots(c), life.function.fn, restorable=True)
+    generators = generator_states()
+    try:
+        shapes_at = symbolic_shapes(c.call, args, kwargs, batch_dims, c.addressed, bucket)
+    finally:
+        state.restore()
+        for generator, before in generators:
+            generator.set_state(before)
+    if shapes_at is None:
+        return False
+    at_bucket = shapes_at(bucket)
+    if at_bucket is None or padding.shapes.runs[bucket] != [as_evidence(o) for o in at_bucket]:
+        return False  # not the real run's shapes: no evidence
+    for size in (2 * bucket + 1, bucket + 1, bucket - 1):
+        leaves = shapes_at(size) if size >= 2 and size not in padding.shapes.runs else None
+        if leaves is not None:
+            padding.shapes.note(size, leaves)
+            return True
+    return False
 
 
 def _say_it_ran_padded(life: Any, error: Exception, rows: int, bucket: int) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..watch._undo import _generator_states as generator_states
+from ..watch._undo import generator_states
 
 Tensor = torch.Tensor
 

@@ -24,7 +24,7 @@ from ._reads import written_tensors
 Tensor = torch.Tensor
 
 
-def _generator_states() -> List[Tuple[Any, Any]]:
+def generator_states() -> List[Tuple[Any, Any]]:
     generators = [torch.default_generator]
     if torch.cuda.is_initialized():
         generators += list(torch.cuda.default_generators)
@@ -40,7 +40,7 @@ class UndoWrites(Observer):
     def __init__(self) -> None:
         self.saved: Dict[int, Tuple[Any, Any]] = {}
         self.created: Set[int] = set()
-        self.generators = _generator_states()
+        self.generators = generator_states()
 
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> Set[int]:
         for value in (*args, *kwargs.values()):

@@ -246,16 +246,124 @@ def test_verify_checks_the_result_of_the_capture_call_of_a_bucketed_key(device, 
 # ---- decision 3: per-bucket state whose output dims one padded run cannot tell ----
 
 
-def test_per_bucket_state_with_undecided_outputs_raises_naming_the_fixes(device):
+class RowCache:
+    """Per-bucket state as serving code writes it: rows of its bucket's size and a position."""
+
+    def __init__(self, rows, device):
+        self.kv = torch.zeros(rows, 4, 6, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+
+
+def test_per_bucket_state_decides_its_output_dims_at_the_first_call(device):
+    # Raised "its outputs cannot be sliced back to 3 rows" at the first call of 3 rows: one
+    # padded run shows one size. A run on fake tensors with the batch dim symbolic shows it.
+    weight = torch.randn(6, 6, device=device)
+
+    def step(x, cache):
+        cache.kv.index_copy_(1, cache.pos.view(1), (x @ weight).unsqueeze(1))
+        cache.pos.add_(1)
+        return cache.kv.sum(1) + x, cache.pos.clone(), weight.sum(0)
+
+    graphed = autograph.graphed(step, buckets=[2, 4, 8], static_argnames=("cache",))
+    caches = {b: RowCache(b, device) for b in (2, 4, 8)}
+    expected = {b: RowCache(b, device) for b in (2, 4, 8)}
+    for rows in (3, 3, 3, 3, 7, 7, 7, 2):
+        bucket = next(b for b in (2, 4, 8) if b >= rows)
+        x = torch.randn(rows, 6, device=device)
+        out, pos, total = graphed(x, caches[bucket])
+        padded = torch.cat([x, x.new_zeros(bucket - rows, 6)])
+        want, want_pos, want_total = step(padded, expected[bucket])
+        assert out.shape == (rows, 6) and total.shape == (6,)
+        torch.testing.assert_close(out, want[:rows])
+        assert torch.equal(pos, want_pos) and torch.equal(total, want_total)
+    for bucket in (2, 4, 8):
+        assert torch.equal(caches[bucket].kv, expected[bucket].kv)
+    assert by_bucket(graphed) == [(2, "warmup", 1, 0), (4, "graphed", 4, 3), (8, "graphed", 3, 2)]
+
+
+def test_a_dim_of_the_buckets_size_by_chance_is_not_sliced(device):
+    # A hidden size of 4 in a bucket of 4: the fake run tells the weight's dim from the batch.
+    weight = torch.randn(4, 4, device=device)
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def step(x, cache):
+        cache[: x.shape[0]] = x @ weight
+        return x @ weight, weight.sum(1), cache * 2
+
+    cache = torch.zeros(4, 4, device=device)
+    for _ in range(4):
+        x = torch.randn(3, 4, device=device)
+        out, per_row_of_weight, doubled = step(x, cache)
+        assert out.shape == doubled.shape == (3, 4) and per_row_of_weight.shape == (4,)
+        torch.testing.assert_close(out, x @ weight)
+        torch.testing.assert_close(doubled, x @ weight * 2)
+    assert states(step) == [("graphed", 4, 1, 3)]
+
+
+def test_the_fake_run_leaves_the_python_state_as_it_was(device):
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def step(x, cache):
+        cache.calls += 1  # Python state a replay would skip: this key runs eagerly
+        cache.kv[: x.shape[0], 0] = x
+        return x * 2
+
+    cache = RowCache(4, device)
+    cache.calls = 0
+    for calls in range(1, 5):
+        x = torch.randn(3, 6, device=device)
+        torch.testing.assert_close(step(x, cache), x * 2)
+        assert cache.calls == calls
+        assert isinstance(cache.kv, torch.Tensor) and torch.equal(cache.kv[:3, 0], x)
+    assert states(step)[0][0] == "eager"
+
+
+def test_per_bucket_state_whose_dims_no_run_can_tell_raises_naming_the_fixes(device):
+    # A real tensor's size (4, the bucket's) meets the batch in Python: the fake run's batch
+    # is specialised to 4, which shows nothing about other sizes.
+    table = torch.zeros(4, 5, device=device)
+
     @autograph.graphed(buckets=[4], static_argnames=("cache",))
     def store(x, cache):
         cache[: x.shape[0]] = x
-        return x + 1
+        return x + torch.ones(table.shape[0], 5, device=x.device)
 
     cache = torch.zeros(4, 5, device=device)
     with pytest.raises(ValueError, match="bucket_outputs=.*capture"):
         store(torch.randn(3, 5, device=device), cache)
     assert states(store) == [("warmup", 1, 1, 0)]
+
+
+def test_hf_llama_with_a_static_cache_per_bucket_serves_its_first_call_of_3_rows(device):
+    transformers, config, model = tiny_llama(device)
+    buckets, prompt_len = [1, 2, 4, 8], 4
+
+    def decode(ids, pos, cache):
+        return model(input_ids=ids, past_key_values=cache, cache_position=pos).logits
+
+    step = autograph.graphed(decode, buckets=buckets, static_argnames=("cache",))
+    caches = {b: transformers.StaticCache(config=config, max_cache_len=16) for b in buckets}
+    generator = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for batch in (3, 3, 3, 6):
+            ids = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=generator)
+            ids = ids.to(device)
+            bucket = next(b for b in buckets if b >= batch)
+            caches[bucket].reset()
+            reference = transformers.StaticCache(config=config, max_cache_len=16)
+            got = step(ids, torch.arange(prompt_len, device=device), caches[bucket])
+            want = decode(ids, torch.arange(prompt_len, device=device), reference)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            token = got[:, -1:].argmax(-1)
+            position = torch.tensor([prompt_len], device=device)
+            torch.testing.assert_close(
+                step(token, position, caches[bucket]),
+                decode(token, position, reference),
+                rtol=1e-4,
+                atol=1e-4,
+            )
+    prompt = [r for r in step.stats() if r.bucket == 4 and f", {prompt_len}]" in r.key]
+    assert [(r.state, r.calls, r.eager_calls, r.replays) for r in prompt] == [("graphed", 3, 1, 2)]
 
 
 def test_random_outputs_are_not_taken_for_rows_that_mix(device):
