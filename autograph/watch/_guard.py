@@ -136,7 +136,8 @@ def _not_capturable(name: str) -> str:
 
 
 def _optimizer_words(optimizer: torch.optim.Optimizer) -> Tuple[str, str]:
-    """(operation, consequence) for a CPU computation inside ``optimizer.step()``."""
+    """(operation, consequence) for a CPU computation or a host read inside
+    ``optimizer.step()``."""
     name = type(optimizer).__name__
     if "capturable" in optimizer.defaults and not all(
         group.get("capturable") for group in optimizer.param_groups
@@ -168,13 +169,15 @@ def host_read_fix(operation: str) -> str:
 
 def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
     location, source = location_of_caller(frame)
-    if operation == "host read":
+    # Inside optimizer.step(), the optimizer is the cause: with capturable=False it keeps its
+    # step count on the CPU, computed with on CUDA and read with .item() where the graphed
+    # device is the CPU (the emulation).
+    optimizer = optimizer_running(frame) if operation in ("host read", CPU_OPERATION) else None
+    if optimizer is not None:
+        operation, consequence = _optimizer_words(optimizer)
+    elif operation == "host read":
         operation = _host_read_name(source)
         consequence = f"{consequence}, and {host_read_fix(operation)}"
-    elif operation == CPU_OPERATION:
-        optimizer = optimizer_running(frame)
-        if optimizer is not None:
-            operation, consequence = _optimizer_words(optimizer)
     return Finding(operation, consequence, location, source)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+import autograph
 from autograph.backends._cuda_graphs import CUDA
 from autograph.watch._guard import (
     GuardError,
@@ -541,6 +542,29 @@ def test_a_step_count_on_the_cpu_names_the_optimizer(cls, options):
     with pytest.raises(GuardError, match=rf"{name}\.step\(\) with capturable=False at"):
         with UnsafeOpDetector("meta", raise_on_unsafe=True):
             optimizer_step(optimizer)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"foreach": False}, {"foreach": True}], ids=["default", "single", "foreach"]
+)
+def test_a_whole_step_on_the_emulation_names_capturable(emulated, options):
+    # Graphing the CPU, the step count is read with .item(): the reason was a generic host read.
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=False, **options)
+
+    @autograph.graphed
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    with pytest.warns(autograph.AutographWarning, match=r"AdamW\(\.\.\., capturable=True\)"):
+        for _ in range(4):
+            step(torch.randn(2, 4))
+    reasons = [row.fallback_reason for row in step.stats() if " > " not in row.function]
+    assert reasons and all("AdamW.step() with capturable=False" in r for r in reasons)
 
 
 def test_an_optimizer_without_cpu_state_is_not_flagged():
