@@ -16,6 +16,7 @@ Cases (letters for --cases; estimated wall time on an H200, process start includ
   n  never slower: HF generate() in a region (3 caches), a GPU-bound MLP  ~60-90 s
   i  islands: autograph.graphed(model.generate) beside generate() in a region  ~30-60 s
   h  HF generate end to end: eager, region, compiled, autograph.generate  ~60-90 s
+  s  serving: padding share with suggested buckets, memory under a budget  ~30-60 s
 
 Each case module ``benchmarks/case_*.py`` has a function ``case_x(rows, with_compile)`` that
 appends rows (dicts: case, variant, value, unit, note, kind, and for line charts series and
@@ -96,8 +97,9 @@ CASES = {
         90,
         "HF generate end to end: eager, region, compiled, autograph.generate",
     ),
+    "s": ("case_serving", "case_serving", 60, "serving: padding, budget, capture()"),
 }
-DEFAULT_CASES = "abcdefgtnih"
+DEFAULT_CASES = "abcdefgtnihs"
 
 
 # ---- one case, in its own process ----
