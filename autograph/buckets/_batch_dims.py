@@ -102,6 +102,8 @@ class BatchShapes:
         self.named = named  # bucket_outputs, or None
         self.runs: Dict[int, List[_Leaf]] = {}
         self.numbers: Dict[int, list] = {}  # the Python numbers its ops got, by size (_size_reads)
+        # Whether a run on fake tensors was tried for a second size (_symbolic_batch): once.
+        self.fake_run_tried = False
         self._decided: Optional[Dims] = None
 
     def note(self, size: int, leaves: Sequence[Any]) -> None:

@@ -140,10 +140,13 @@ def _noted_symbolic_run(
     life: Any, c: Any, args: tuple, kwargs: dict, padded: Dict[int, Tensor]
 ) -> bool:
     """Note the family's outputs at a second size, from a run of the function on fake tensors
-    whose batch dim is a symbol (``_symbolic_batch``); whether it could. Only the shapes of
-    that run are kept: the Python state the call reaches and the random generators are put
-    back after it."""
+    whose batch dim is a symbol (``_symbolic_batch``), once per family; whether it could.
+    Only the shapes of that run are kept: the Python state the call reaches and the random
+    generators are put back after it."""
     padding = c.padding
+    if padding.shapes.fake_run_tried:
+        return False
+    padding.shapes.fake_run_tried = True
     bucket = padding.bucket
     batch_dims = {i: padding.dims[i][0] for i in padded}
     state = PythonState.of(life.function.roots(c), life.function.fn, restorable=True)
