@@ -85,7 +85,8 @@ class GraphedFunction(wrapt.FunctionWrapper):
         The file is JSON: torch's version, the GPU's name, the options that shape keys and,
         per graphed key, its call's shapes, dtypes, plain values, bucket and modes (no
         tensor's values; what is passed by identity or address by its argument's name).
-        Keys that are not graphed are left out.
+        Keys that are not graphed are left out. A method's keys are its instance's: save and
+        load them through the bound method (``server.step.save_plan(path)``).
         """
         engine = self._self_engine
         return save_plan(engine.name, engine.options, engine.cache, path)
