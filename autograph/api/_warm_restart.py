@@ -58,8 +58,8 @@ def capture_from_plan(
             f"{engine.name}.capture(plan={os.fspath(path)!r}): {len(missed)} of the plan's "
             f"{len(records)} keys did not come out graphed: {'; '.join(missed[:3])}"
             f"{'; ...' if len(missed) > 3 else ''}. Their stats() rows say why (a fallback "
-            f"reason, or a key made otherwise: an object given for an argument that differs "
-            f"from the one the plan's process passed)."
+            f"reason, or another key: an object given of another shape or type than the "
+            f"plan's process passed)."
         )
     return rows
 

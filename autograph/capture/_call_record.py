@@ -4,8 +4,8 @@ another process (docs/design.md, "Capture ahead": warm restarts).
 >>> record = record_call(("x", "cache"), (x, cache), {}, state, ("cache",), (), None)
 >>> record["args"]
 [{'tensor': {'shape': [8, 512], 'stride': [512, 1], 'dtype': 'float32', 'device': 'cuda:0',
-  'requires_grad': False}}, {'object': 'cache'}]
->>> args, kwargs = rebuilt_call(record, {"cache": cache}, names)      # zeros of each spec
+  'requires_grad': False, 'padded': None}}, {'object': 'cache', 'is': 'f32[8, 64] cuda:0'}]
+>>> args, kwargs = rebuilt_call(record, {"cache": cache})      # zeros of each spec
 >>> with entered_state(record["state"]): ...                          # its grad mode, autocast
 
 Keys are compared, never decoded (docs/design.md, "Keys"): so the call that made a key is
@@ -15,7 +15,8 @@ top-level argument is a spec: a tensor's shape, strides, dtype, device and ``req
 (for a bucket's key, the padded tensors at the bucket's size); a plain value (None, bool, int,
 str, a float by its bits, a dtype); tuples, lists and dicts of those. An argument the plan
 cannot hold (an object keyed by identity, a tensor used by address, any other container) is
-an ``{"object": name}`` placeholder, which the caller supplies by that name. Values of
+an ``{"object": name, "is": "f32[4, 8] cuda:0"}`` placeholder (a tensor's shape, else the
+object's type), which the caller supplies by that name. Values of
 tensors are not kept: a capture's result does not depend on them.
 """
 
@@ -26,6 +27,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..watch._names import describe_tensor
 from ._keys import _children
 
 Tensor = torch.Tensor
@@ -103,6 +105,13 @@ class _Recording:
         return {"dict": [[k, s] for k, s in zip(keys, specs)]}
 
 
+def _placeholder(name: str, obj: Any) -> dict:
+    """An argument the caller supplies, by name; with what it was (a tensor's shape and dtype,
+    else its type), so that a record made from another object can be told apart."""
+    seen = describe_tensor(obj) if isinstance(obj, Tensor) else type(obj).__qualname__
+    return {"object": name, "is": seen}
+
+
 def record_state(state: tuple) -> dict:
     """The execution state of a key (``_keys.execution_state``) as JSON."""
     grad, inference, (cuda_autocast, cpu_autocast), device, training, default_dtype = state
@@ -135,8 +144,8 @@ def record_call(
     for i, a in enumerate(args):
         name = names[i] if i < len(names) else f"args[{i}]"
         spec = walk.spec(a, i in static_nums or name in static_names)
-        positional.append(spec or {"object": name})
-    keywords = {k: walk.spec(v, k in static_names) or {"object": k} for k, v in kwargs.items()}
+        positional.append(spec or _placeholder(name, a))
+    keywords = {k: walk.spec(v, k in static_names) or _placeholder(k, v) for k, v in kwargs.items()}
     return {
         "args": positional,
         "kwargs": keywords,

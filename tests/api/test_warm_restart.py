@@ -241,3 +241,23 @@ def test_keys_not_graphed_are_left_out_of_the_plan(emulated, tmp_path):
     path = tmp_path / "halve.json"
     assert halve.save_plan(path) == 0
     assert json.loads(path.read_text())["entries"] == []
+
+
+def test_a_key_of_the_plan_that_does_not_come_out_graphed_is_said(emulated, tmp_path):
+    @autograph.graphed(static_argnames=("cache",))
+    def shift(x, cache):
+        return x + cache.sum()
+
+    cache = torch.ones(5)
+    for _ in range(2):
+        shift(torch.ones(2), cache)
+    path = tmp_path / "shift.json"
+    assert shift.save_plan(path) == 1
+    shift.reset()
+    other = torch.ones(7)  # not the cache the plan's calls passed: another key
+    with pytest.warns(
+        autograph.AutographWarning,
+        match=r"1 of the plan's 1 keys did not come out graphed: x: f32\[2\] cpu, cache: f32\[5\]",
+    ):
+        rows = shift.capture(plan=path, cache=other)
+    assert [(r.key, r.state) for r in rows] == [("x: f32[2] cpu, cache: f32[7] cpu", "graphed")]
