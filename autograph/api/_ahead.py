@@ -17,7 +17,7 @@ import dataclasses
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -44,17 +44,26 @@ Tensor = torch.Tensor
 
 
 def capture_ahead(
-    engine: Any, call: Callable, instance: Any, args: tuple, kwargs: dict
+    engine: Any,
+    call: Callable,
+    instance: Any,
+    args: tuple,
+    kwargs: dict,
+    sizes: Optional[Sequence[int]] = None,
 ) -> List[KeyStats]:
-    """Warm up and capture the keys of this example call of ``engine``'s function."""
+    """Warm up and capture the keys of this example call of ``engine``'s function: with
+    buckets, at every bucket, or at ``sizes`` only (a plan's, ``_warm_restart``)."""
     if _config.ENV.disable:
         return []
     region = current_region()
     options, cache, names, state = engine.call_options(instance, region)
-    check_markers(engine.name, names, args, kwargs, options.buckets)
+    sizes = options.buckets if sizes is None or options.buckets is None else sizes
+    check_markers(engine.name, names, args, kwargs, options.buckets, sizes)
     examples: List[Tuple[tuple, dict, Optional[Padding]]] = [(args, kwargs, None)]
     if options.buckets is not None:
-        examples = _bucket_examples(engine.name, options, names, args, kwargs, state, cache)
+        examples = _bucket_examples(
+            engine.name, options, names, args, kwargs, state, cache, sizes or ()
+        )
     rows: List[KeyStats] = []
     started = time.perf_counter()
     # No collection between the captures, and the objects made before not scanned by any
@@ -235,12 +244,13 @@ def _bucket_examples(
     kwargs: dict,
     state: tuple,
     cache: KeyCache,
+    sizes: Sequence[int],
 ) -> List[Tuple[tuple, dict, Optional[Padding]]]:
-    """The example call resized to every bucket, largest first, with its padding; each
-    ``per_bucket`` marker swapped for that bucket's value."""
+    """The example call resized to every size (the buckets), largest first, with its padding;
+    each ``per_bucket`` marker swapped for that bucket's value."""
     return [
         _bucket_example(name, options, names, *for_bucket(args, kwargs, size), state, cache, size)
-        for size in reversed(options.buckets or ())
+        for size in sorted(sizes, reverse=True)
     ]
 
 

@@ -31,6 +31,8 @@ from .._stats import KeyStats
 from ..buckets._suggest import BucketSuggestion, suggest
 from ..engine._engine import Engine, _dynamo_callback, _is_compiling
 from ._ahead import capture_ahead
+from ._plan_file import Path, save_plan
+from ._warm_restart import capture_from_plan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -49,18 +51,45 @@ class GraphedFunction(wrapt.FunctionWrapper):
         super().__init__(fn, engine)
         self._self_engine = engine
 
-    def capture(self, *args: Any, **kwargs: Any) -> List[KeyStats]:
-        """Warm up and capture ahead of time, for this example call's keys.
+    def capture(self, *args: Any, plan: Optional[Path] = None, **kwargs: Any) -> List[KeyStats]:
+        """Warm up and capture ahead of time, for this example call's keys, or for every key
+        of a plan file that ``save_plan`` wrote.
 
         >>> step.capture(torch.zeros(8, 512, device="cuda"), w)   # buckets: every size
+        >>> step.capture(plan="step.plan.json", cache=autograph.per_bucket(caches))
 
         With ``buckets``, every size is captured, largest first, into the function's one pool
         (the example is cut or padded to each size). The warmup runs the function for real
         and then its effects are undone (arguments, tensors it writes by address such as a
         KV cache, module buffers, random generators), and capturing runs nothing: the caller's
         state is as before. Returns the stats of the keys captured.
+
+        With ``plan=path`` (and no example), the keys the plan lists are captured, each from
+        its recorded call: keyword arguments give, by argument name, what the plan cannot
+        hold (an object keyed by identity, a tensor used by address; ``autograph.per_bucket``
+        for one per bucket). ``ValueError`` for a plan from another torch or GPU, other
+        options that shape keys, or an object missing. An argument of the function named
+        ``plan`` is given to ``capture`` positionally.
         """
+        if plan is not None:
+            _no_example(self._self_engine.name, args)
+            return capture_from_plan(self._self_engine, self.__wrapped__, None, plan, kwargs)
         return capture_ahead(self._self_engine, self.__wrapped__, None, args, kwargs)
+
+    def save_plan(self, path: Path) -> int:
+        """Write the keys this function captured to a plan file; return how many it lists.
+
+        >>> step.save_plan("step.plan.json")     # then, in a new process:
+        >>> step.capture(plan="step.plan.json", cache=autograph.per_bucket(caches))
+
+        The file is JSON: torch's version, the GPU's name, the options that shape keys and,
+        per graphed key, its call's shapes, dtypes, plain values, bucket and modes (no
+        tensor's values; what is passed by identity or address by its argument's name).
+        Keys that are not graphed are left out. A method's keys are its instance's: save and
+        load them through the bound method (``server.step.save_plan(path)``).
+        """
+        engine = self._self_engine
+        return save_plan(engine.name, engine.options, engine.cache, path)
 
     def stats(self) -> List[KeyStats]:
         """Snapshots of this function's keys (every instance's, for a method)."""
@@ -99,11 +128,19 @@ class GraphedFunction(wrapt.FunctionWrapper):
 class BoundGraphedFunction(wrapt.BoundFunctionWrapper):
     """A graphed method bound to an instance (made by wrapt on attribute access)."""
 
-    def capture(self, *args: Any, **kwargs: Any) -> List[KeyStats]:
+    def capture(self, *args: Any, plan: Optional[Path] = None, **kwargs: Any) -> List[KeyStats]:
         """``GraphedFunction.capture`` for this instance's graphs."""
-        return capture_ahead(
-            self._self_parent._self_engine, self.__wrapped__, self._self_instance, args, kwargs
-        )
+        engine, instance = self._self_parent._self_engine, self._self_instance
+        if plan is not None:
+            _no_example(engine.name, args)
+            return capture_from_plan(engine, self.__wrapped__, instance, plan, kwargs)
+        return capture_ahead(engine, self.__wrapped__, instance, args, kwargs)
+
+    def save_plan(self, path: Path) -> int:
+        """``GraphedFunction.save_plan`` for this instance's graphs."""
+        engine, instance = self._self_parent._self_engine, self._self_instance
+        cache = engine.cache_for(instance) if engine.per_instance else engine.cache
+        return save_plan(engine.name, engine.options, cache, path)
 
     def stats(self) -> List[KeyStats]:
         return self._self_parent.stats()
@@ -133,6 +170,14 @@ class _GraphedPlainFunction(GraphedFunction):
             return self._self_engine(self.__wrapped__, None, args, kwargs)  # Dynamo's cases
         # Engine.__call__'s checks passed: straight to the route, a frame less on every call.
         return self._self_engine.route(self.__wrapped__, None, args, kwargs)
+
+
+def _no_example(name: str, args: tuple) -> None:
+    if args:
+        raise TypeError(
+            f"{name}.capture(plan=...) takes no example call: the plan's records are the "
+            f"examples; pass only the objects it cannot hold, by argument name."
+        )
 
 
 _numbers: Dict[str, "itertools.count[int]"] = {}
@@ -204,13 +249,25 @@ class GraphedForward:
     def __repr__(self) -> str:
         return f"<graphed forward of {self._self_engine.name}>"
 
-    def capture(self, *args: Any, **kwargs: Any) -> List[KeyStats]:
+    def capture(self, *args: Any, plan: Optional[Path] = None, **kwargs: Any) -> List[KeyStats]:
         """Warm up and capture ahead of time; see ``GraphedFunction.capture``.
 
         >>> model.forward.capture(ids, past_key_values=cache)
+        >>> model.forward.capture(plan="model.plan.json", past_key_values=cache)
         """
         forward, module = self._bound()
+        if plan is not None:
+            _no_example(self._self_engine.name, args)
+            return capture_from_plan(self._self_engine, forward, module, plan, kwargs)
         return capture_ahead(self._self_engine, forward, module, args, kwargs)
+
+    def save_plan(self, path: Path) -> int:
+        """Write this module's captured keys to a plan file; see ``GraphedFunction.save_plan``.
+
+        >>> model.forward.save_plan("model.plan.json")
+        """
+        engine = self._self_engine
+        return save_plan(engine.name, engine.options, engine.cache, path)
 
     def stats(self) -> List[KeyStats]:
         """Snapshots of this module's keys."""

@@ -99,10 +99,15 @@ def for_bucket(args: tuple, kwargs: dict, size: int) -> Tuple[tuple, dict]:
 
 
 def check_markers(
-    function: str, names: Sequence[str], args: tuple, kwargs: dict, buckets: Any
+    function: str,
+    names: Sequence[str],
+    args: tuple,
+    kwargs: dict,
+    buckets: Any,
+    sizes: Any = None,
 ) -> None:
     """Raise ``ValueError`` for markers ``capture()`` cannot use: a function without buckets,
-    a mapping without a value for some bucket."""
+    a mapping without a value for some bucket (of ``sizes``, those captured, if given)."""
     marked = marked_arguments(names, args, kwargs)
     if marked and buckets is None:
         raise ValueError(
@@ -111,7 +116,7 @@ def check_markers(
             f"Pass the value itself, or graph {function} with buckets=[...]."
         )
     for name, marker in marked:
-        missing = marker.missing(buckets)
+        missing = marker.missing(buckets if sizes is None else sizes)
         if missing:
             raise ValueError(
                 f"{function}.capture(): autograph.per_bucket(...) for {name} has no value "

@@ -37,6 +37,7 @@ from ..buckets._bucket_runs import (
     slices_unknown,
     state_written,
 )
+from ..capture._call_record import record_call
 from ..capture._graph import Graph
 from ..capture._outputs import flatten_output
 from ..capture._recording import CaptureFailed, CaptureRequest
@@ -204,6 +205,7 @@ class KeyLife:
         "island",
         "last_replay",
         "evictions",
+        "example",
         "__weakref__",
     )
 
@@ -247,6 +249,7 @@ class KeyLife:
         self.payoff = self.gain = None  # check_payoff: measured until a verdict (``_payoff``)
         # max_graph_memory (``_memory_budget``): when it last replayed, and its graphs dropped.
         self.last_replay = self.evictions = 0
+        self.example: Optional[dict] = None  # its capture's call, as JSON (``_call_record``)
 
     # ---- replays ----
 
@@ -425,6 +428,16 @@ class KeyLife:
     def adopt(self, graph: Graph, c: Call) -> None:
         graph.values = ValuesRead.of(c.names, c.args, c.kwargs, self.function.fn)
         self.graph, self.phase = graph, GRAPHED
+        options = self.options  # what fn.save_plan() writes for a warm restart
+        self.example = record_call(
+            c.names,
+            c.args,
+            c.kwargs,
+            c.state,
+            options.static_argnames,
+            options.static_argnums,
+            c.padding,
+        )
         self.checks_left = self.options.replays_to_verify
         self.payoff = measurement(self)
 
