@@ -429,15 +429,18 @@ class KeyLife:
         graph.values = ValuesRead.of(c.names, c.args, c.kwargs, self.function.fn)
         self.graph, self.phase = graph, GRAPHED
         options = self.options  # what fn.save_plan() writes for a warm restart
-        self.example = record_call(
-            c.names,
-            c.args,
-            c.kwargs,
-            c.state,
-            options.static_argnames,
-            options.static_argnums,
-            c.padding,
-        )
+        try:
+            self.example = record_call(
+                c.names,
+                c.args,
+                c.kwargs,
+                c.state,
+                options.static_argnames,
+                options.static_argnums,
+                c.padding,
+            )
+        except Exception:  # noqa: BLE001 - a record that fails leaves the key out of a plan only
+            self.example = None
         self.checks_left = self.options.replays_to_verify
         self.payoff = measurement(self)
 
