@@ -22,7 +22,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..distributed._ranks import COLLECTIVE_NAMESPACES
 from ..watch._modes import CompiledCodeRunsUnder, run_apart, tensors_in
 from ..watch._reads import written_tensors
-from ..watch._unsafe_ops import composite_keys
+from ..watch._unsafe_ops import SPARSE_LAYOUTS, composite_keys
 
 _aten = torch.ops.aten
 
@@ -241,12 +241,12 @@ class Recorder(CompiledCodeRunsUnder):
         return output
 
     def _hold(self, tensor: torch.Tensor) -> Any:
-        if tensor.layout is not torch.strided:
+        if tensor.layout in SPARSE_LAYOUTS:
             # Held strongly, a rebound sparse tensor would replay the old one; the guard
             # refuses sparse work before any capture (_unsafe_ops), and so does this graph.
             raise RuntimeError(
                 f"the emulated capture records an op on a {tensor.layout} tensor, which a "
-                f"graph could only read by address: autograph graphs strided tensors only"
+                f"graph could only read by address: autograph graphs no sparse work"
             )
         if not _rebuildable(tensor):
             return tensor  # no storage to hold instead; rare on graphed paths

@@ -27,6 +27,8 @@ well.
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from typing import Any, Callable, ContextManager, Dict, List, Tuple
 
 import torch
@@ -148,15 +150,21 @@ def _noted_symbolic_run(
         return False
     padding.shapes.fake_run_tried = True
     bucket = padding.bucket
-    batch_dims = {i: padding.dims[i][0] for i in padded}
     state = PythonState.of(life.function.roots(c), life.function.fn, restorable=True)
     generators = generator_states()
+    python_random = _python_random_states()
     try:
-        shapes_at = symbolic_shapes(c.call, args, kwargs, batch_dims, c.addressed, bucket)
+        shapes_at = symbolic_shapes(
+            c.call, args, kwargs, [(t, padding.dims[i][0]) for i, t in padded.items()], bucket
+        )
+    except Exception:  # noqa: BLE001 - evidence or none: the run never fails the call
+        shapes_at = None
     finally:
         state.restore()
         for generator, before in generators:
             generator.set_state(before)
+        for set_state, before in python_random:
+            set_state(before)
     if shapes_at is None:
         return False
     at_bucket = shapes_at(bucket)
@@ -168,6 +176,17 @@ def _noted_symbolic_run(
             padding.shapes.note(size, leaves)
             return True
     return False
+
+
+def _python_random_states() -> List[Tuple[Any, Any]]:
+    """(setter, state) of Python's and, where imported, numpy's global random generators: the
+    run on fake tensors
+    draws from them as the function does, and must not."""
+    states: List[Tuple[Any, Any]] = [(random.setstate, random.getstate())]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states.append((numpy.random.set_state, numpy.random.get_state()))
+    return states
 
 
 def _say_it_ran_padded(life: Any, error: Exception, rows: int, bucket: int) -> None:

@@ -8,14 +8,22 @@ A key with per-bucket state (one StaticCache per bucket) runs only at its bucket
 one run cannot tell a dim that follows the batch from one that equals the bucket by chance (a
 hidden size of 4). torch's fake tensors run the function without computing, with the size of
 each padded argument's batch dim a symbol of the ``ShapeEnv`` (not duck-sized: a dim of the
-same size is another symbol). Every other tensor the run meets (the cache, weights) is made
-fake on first use, its dims of the bucket's size symbols too: an op that ties one to the batch
-(the cache's rows) unifies the two, and one that does not (4 heads) stays its own. An output
-dim whose expression is the batch's symbol follows the batch; a constant does not.
+same size is another symbol). Every other tensor the run meets is made fake, its dims of the
+bucket's size symbols too: an op that ties one to the batch (a cache's rows, by
+``index_copy_``) unifies the two, and one that ties it to a constant (4 heads) makes it that
+constant. An output dim whose expression is the batch's symbol follows the batch; a constant
+does not. A symbol left free tells nothing: of a tensor the arguments hold (a cache of 4 rows,
+or a weight in a plain object) it may be the bucket's size in every bucket or always 4, so an
+output that shows one gives no evidence; of a tensor met on first use (a module's weight, a
+closure: the same in every bucket) it is a constant.
 
 The evidence holds only where the run's guards hold: if the batch's symbol was specialised
-(a Python read of a real tensor's size compared with it), or no second size meets the
-guards, there is none (``None``) and the key waits for a real run at another size, as before.
+(a Python read of a real tensor's size compared with it), tied to a weight's size, an output
+is a value read from the data (``.item()``), or no second size meets the guards, there is
+none (``None``) and the key waits for a real run at another size, as before. The run executes
+the function's Python once more: Python state it writes that autograph's snapshot does not
+reach (a helper function's module global) gets the run's fake values, as it gets a second
+write from any warmup or capture run (docs/design.md, "Buckets").
 Nothing of the run stays: the tensors it meets are not written (fake), the Python state it
 reaches and the random generators are restored after it, and it runs outside the caller's
 dispatch modes (a watched warmup's observers would see fake tensors).
@@ -23,29 +31,32 @@ dispatch modes (a watched warmup's observers would see fake tensors).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from sympy import sympify  # torch's own dependency: its symbolic shapes are sympy expressions
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 Tensor = torch.Tensor
+
+# What a symbol is of: a padded argument's batch dim, a tensor the arguments hold (per-bucket
+# state or not: unknown), or a tensor met on first use (the same in every bucket).
+BATCH, HELD, FIXED = "batch", "held", "fixed"
 
 
 def symbolic_shapes(
     call: Callable[..., Any],
     args: tuple,
     kwargs: dict,
-    batch_dims: Dict[int, int],
-    addressed: Sequence[int],
+    padded: Sequence[Tuple[Tensor, int]],
     bucket: int,
 ) -> Optional[Callable[[int], Optional[List[Any]]]]:
     """The outputs of ``call(*args, **kwargs)`` as a function of the batch size, or None.
 
-    ``batch_dims`` maps the position of a tensor among the flattened arguments to its batch
-    dim (the padded ones); the arguments have ``bucket`` rows there. ``addressed``: the
-    positions of the tensors used by address, per-bucket state like what the arguments'
-    objects hold."""
+    ``padded``: the padded tensors among the arguments (wherever they are: a dataclass's
+    field too), each with its batch dim, of ``bucket`` rows."""
     # Private torch APIs (docs/design.md, "Private torch APIs"): fake tensors, symbolic
     # shapes and the mode stack are what torch.compile traces with.
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -54,66 +65,75 @@ def symbolic_shapes(
 
     shape_env = ShapeEnv(duck_shape=False)
     fakes = _Fakes(FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True), bucket)
-    leaves, spec = tree_flatten((args, kwargs))
-    tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-    padded = {id(tensors[i]): dim for i, dim in batch_dims.items()}
+    for tensor, dim in padded:
+        fakes.of(tensor, BATCH, dim)
+    swapped = _SwappedTensors(fakes)
     with _disable_current_modes(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the function's own warnings: this is not its call
-        for i in addressed:
-            fakes.of(tensors[i], per_bucket=True)
-        fake_leaves = [
-            fakes.of(leaf, padded.get(id(leaf))) if isinstance(leaf, Tensor) else leaf
-            for leaf in leaves
-        ]
-        batch_symbols = [
-            fakes.of(tensors[i], dim).shape[dim].node.expr for i, dim in batch_dims.items()
-        ]
-        fake_args, fake_kwargs = spec.unflatten(fake_leaves)
-        swapped = _SwappedTensors(fakes)
+        fake_args, fake_kwargs = tree_map_only(Tensor, swapped.held, (args, kwargs))
         try:
-            for leaf in leaves:
+            for leaf in tree_flatten((args, kwargs))[0]:
                 swapped.walk(leaf, _DEPTH)
-            with fakes.mode, _FakeOnFirstUse(fakes):
+            with _GlobalsKept(), fakes.mode, _FakeOnFirstUse(fakes):
                 outputs = call(*fake_args, **fake_kwargs)
         except Exception:  # noqa: BLE001 - a host read, an op without a fake kernel: no evidence
             return None
         finally:
             swapped.restore()
-    return _of_the_batch(shape_env, fakes, batch_symbols, tree_flatten(outputs)[0])
+    return _of_the_batch(shape_env, fakes, tree_flatten(outputs)[0])
 
 
 def _of_the_batch(
-    shape_env: Any, fakes: "_Fakes", batch_symbols: List[Any], output_leaves: List[Any]
+    shape_env: Any, fakes: "_Fakes", output_leaves: List[Any]
 ) -> Optional[Callable[[int], Optional[List[Any]]]]:
-    """The fake run's outputs as a function of the batch size, or None where its guards and
-    replacements show nothing of other sizes."""
-    batches = {shape_env.replace(symbol) for symbol in batch_symbols}
-    if len(batches) != 1 or not next(iter(batches)).is_Symbol:
-        return None  # specialised (the run only shows the bucket's size), or not one batch
-    batch = batches.pop()
-    # Per-bucket state has the bucket's size where no op tied it to another size: a run at
-    # another size meets that size's state, as each bucket's runs meet their own. A size tied
-    # to a weight's (a symbol of a tensor met on first use) stays that size.
-    fixed = {shape_env.replace(symbol) for symbol in fakes.symbols[False]}
-    if batch in fixed:
-        return None  # the batch has a weight's size: no other size runs
-    resized = {shape_env.replace(symbol) for symbol in fakes.symbols[True]} | {batch}
-    resized = {symbol for symbol in resized if symbol.is_Symbol and symbol not in fixed}
+    """The fake run's outputs as a function of the batch size, or None where its guards,
+    replacements and free symbols show nothing of other sizes."""
+    canonical = {
+        kind: {shape_env.replace(s) for s in symbols} for kind, symbols in fakes.symbols.items()
+    }
+    if len(canonical[BATCH]) != 1:
+        return None  # the padded arguments' batch dims not tied into one
+    batch = next(iter(canonical[BATCH]))
+    if not batch.is_Symbol or batch in canonical[FIXED]:
+        return None  # specialised (only the bucket's size shows), or a weight's size
+    unknown = {s for s in canonical[HELD] if s.is_Symbol and s != batch} - canonical[FIXED]
     # The sizes of the bucket's run (``var_to_val`` before torch 2.12).
     hints = dict(getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val)
-    guards = [guard.expr for guard in shape_env.guards]
+    expressions = [
+        sympify(shape_env.replace(e)) for leaf in output_leaves for e in _expressions(leaf)
+    ]
+    if any(e.free_symbols & unknown or e.free_symbols - hints.keys() for e in expressions):
+        return None  # a size of held state left free, or a value read from the data
+    guards = [shape_env.replace(guard.expr) for guard in shape_env.guards]
 
     def evaluate(expression: Any, size: int) -> Any:
-        return shape_env.replace(expression).xreplace(
-            {**hints, **{symbol: size for symbol in resized}}
-        )
+        # (a lone symbol's xreplace is its replacement as given: a Python int)
+        value = sympify(sympify(shape_env.replace(expression)).xreplace({**hints, batch: size}))
+        if value.free_symbols:
+            raise _NoEvidence
+        return value
 
     def shapes_at(size: int) -> Optional[List[Any]]:
-        if not all(bool(evaluate(guard, size)) for guard in guards):
+        try:
+            if not all(bool(evaluate(guard, size)) for guard in guards):
+                return None
+            return [_at(leaf, evaluate, size) for leaf in output_leaves]
+        except (_NoEvidence, TypeError, ValueError):
             return None
-        return [_at(leaf, evaluate, size) for leaf in output_leaves]
 
     return shapes_at
+
+
+class _NoEvidence(Exception):
+    """An expression that is no number once the sizes are given."""
+
+
+def _expressions(leaf: Any) -> List[Any]:
+    if isinstance(leaf, Tensor):
+        return [d.node.expr for d in leaf.shape if isinstance(d, torch.SymInt)]
+    if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return [leaf.node.expr]
+    return []
 
 
 # How deep the objects an argument holds (a cache, its layers, their tensors) are searched.
@@ -122,18 +142,16 @@ _DEPTH = 4
 
 class _Fakes:
     """One fake tensor per real one: a padded argument's batch dim a symbol, and every other
-    dim of the bucket's size a symbol of its own; those of per-bucket state noted."""
+    dim of the bucket's size a symbol of its own, noted by what it is of."""
 
     def __init__(self, mode: Any, bucket: int):
         self.mode = mode
         self.bucket = bucket
         self.made: Dict[int, Tuple[Tensor, Tensor]] = {}  # id(real): (real, fake)
-        # The symbols made, by whether they are of per-bucket state (or the batch's).
-        self.symbols: Dict[bool, List[Any]] = {True: [], False: []}
+        self.reals: Dict[int, Tensor] = {}  # id(fake): real
+        self.symbols: Dict[str, List[Any]] = {BATCH: [], HELD: [], FIXED: []}
 
-    def of(
-        self, tensor: Tensor, batch_dim: Optional[int] = None, per_bucket: bool = False
-    ) -> Tensor:
+    def of(self, tensor: Tensor, kind: str, batch_dim: Optional[int] = None) -> Tensor:
         made = self.made.get(id(tensor))
         if made is not None:
             return made[1]
@@ -152,52 +170,72 @@ class _Fakes:
         )
         fake = self.mode.from_tensor(tensor, symbolic_context=context)
         self.made[id(tensor)] = (tensor, fake)
-        self.symbols[per_bucket or batch_dim is not None] += [fake.shape[d].node.expr for d in dims]
+        self.reals[id(fake)] = tensor
+        self.symbols[kind] += [fake.shape[d].node.expr for d in dims]
         return fake
 
 
 class _SwappedTensors:
-    """The tensors the arguments' objects hold (a StaticCache's layers' keys and values),
-    swapped for their fakes while the function runs: Python code reads their sizes (HF's
-    ``repeat_kv``), and a real size there would tie the batch to the bucket's."""
+    """The tensors the arguments hold, as fakes: those the arguments' objects hold (a
+    StaticCache's layers' keys and values) swapped in their places while the function runs,
+    since Python code reads their sizes (HF's ``repeat_kv``), and a real size there would tie
+    the batch to the bucket's."""
 
     def __init__(self, fakes: _Fakes):
         self.fakes = fakes
-        self.undo: List[Tuple[Any, Any, Any]] = []  # (container, key, the real value)
+        self.containers: List[Any] = []  # where fakes were put, to put the reals back
         self.seen: Set[int] = set()
+
+    def held(self, tensor: Tensor) -> Tensor:
+        return self.fakes.of(tensor, HELD)
 
     def walk(self, value: Any, depth: int) -> None:
         if depth == 0 or id(value) in self.seen or isinstance(value, _ATOMS):
             return
         self.seen.add(id(value))
-        if isinstance(value, list):
-            places: Any = enumerate(value)
-            container = value
-        elif isinstance(value, dict):
-            places, container = list(value.items()), value
-        elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, type):
-            places, container = list(vars(value).items()), vars(value)
-        else:
+        container = _container(value)
+        if container is None:
             return
-        for key, item in list(places):
+        items = list(enumerate(container) if isinstance(container, list) else container.items())
+        swapped = False
+        for key, item in items:
             if isinstance(item, Tensor):
                 if not isinstance(item, torch.nn.Parameter):
-                    self.undo.append((container, key, item))
-                    container[key] = self.fakes.of(item, per_bucket=True)
+                    container[key] = self.held(item)
+                    swapped = True
             else:
                 self.walk(item, depth - 1)
+        if swapped:
+            self.containers.append(container)
 
     def restore(self) -> None:
-        for container, key, real in reversed(self.undo):
-            container[key] = real
-        self.undo.clear()
+        """Every fake put back as its real tensor, wherever the run moved it in its container."""
+        reals = self.fakes.reals
+        for container in self.containers:
+            places = range(len(container)) if isinstance(container, list) else list(container)
+            for key in places:
+                real = reals.get(id(container[key]))
+                if real is not None:
+                    container[key] = real
+        self.containers.clear()
+
+
+def _container(value: Any) -> Any:
+    """Where ``value`` keeps what it holds: itself (a list, a dict), its ``__dict__``, or None."""
+    if isinstance(value, (list, dict)):
+        return value
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not isinstance(value, type):
+        return attributes
+    return None
 
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), Tensor, torch.nn.Module)
 
 
 class _FakeOnFirstUse(torch.utils._python_dispatch.TorchDispatchMode):
-    """Makes each real tensor an op meets fake (weights, buffers: what no argument holds)."""
+    """Makes each real tensor an op meets fake: weights, buffers, closures (what no argument
+    holds, the same in every bucket)."""
 
     def __init__(self, fakes: _Fakes):
         super().__init__()
@@ -207,10 +245,67 @@ class _FakeOnFirstUse(torch.utils._python_dispatch.TorchDispatchMode):
         from torch._subclasses.fake_tensor import FakeTensor
 
         def fake(tensor: Tensor) -> Tensor:
-            return tensor if isinstance(tensor, FakeTensor) else self.fakes.of(tensor)
+            return tensor if isinstance(tensor, FakeTensor) else self.fakes.of(tensor, FIXED)
 
         args, kwargs = tree_map_only(Tensor, fake, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def _is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+class _GlobalsKept:
+    """Module globals the run writes a fake value to (a helper's counter ``TOKENS += n``, a
+    debug dict ``LAST["x"] = x``), put back as they were: each module's globals, and the lists
+    and dicts they hold, are copied when the run first calls into that module (a profile
+    hook, this thread and this run only). What holds a fake value after the run is restored;
+    other writes stay, as a warmup's would."""
+
+    def __init__(self) -> None:
+        self.kept: Dict[int, Tuple[dict, dict, Dict[str, Any]]] = {}
+        self.before: Any = None
+
+    def __enter__(self) -> "_GlobalsKept":
+        self.before = sys.getprofile()
+        sys.setprofile(self._on_event)
+        return self
+
+    def _on_event(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            names = frame.f_globals
+            if id(names) not in self.kept:
+                held = {
+                    key: (list(value) if isinstance(value, list) else dict(value))
+                    for key, value in names.items()
+                    if isinstance(value, (list, dict)) and len(value) <= _KEPT_CONTAINER
+                }
+                self.kept[id(names)] = (names, dict(names), held)
+        if self.before is not None:
+            self.before(frame, event, arg)
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self.before)
+        for names, copied, held in self.kept.values():
+            for key, value in list(names.items()):
+                if _is_fake(value) and key in copied:
+                    names[key] = copied[key]
+                elif key in held and any(map(_is_fake, _values(value))):
+                    value.clear()
+                    if isinstance(value, list):
+                        value.extend(held[key])
+                    else:
+                        value.update(held[key])
+
+
+# The largest list or dict of a module's globals copied whole (registries are larger).
+_KEPT_CONTAINER = 256
+
+
+def _values(container: Any) -> List[Any]:
+    return list(container.values()) if isinstance(container, dict) else list(container)
 
 
 def _at(leaf: Any, evaluate: Callable[[Any, int], Any], size: int) -> Any:

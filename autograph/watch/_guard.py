@@ -135,16 +135,18 @@ def _not_capturable(name: str) -> str:
     return f"{name}.step() with capturable=False"
 
 
-def _optimizer_words(optimizer: torch.optim.Optimizer) -> Tuple[str, str]:
+def _optimizer_words(optimizer: torch.optim.Optimizer, device_type: str) -> Tuple[str, str]:
     """(operation, consequence) for a CPU computation or a host read inside
-    ``optimizer.step()``."""
+    ``optimizer.step()``, graphing ``device_type``."""
     name = type(optimizer).__name__
     if "capturable" in optimizer.defaults and not all(
         group.get("capturable") for group in optimizer.param_groups
     ):
+        fix = f"create it with {name}(..., capturable=True)"
+        if device_type == "cpu":  # the emulation: torch refuses capturable with CPU parameters
+            fix = f"on CUDA, {fix}; in the CPU emulation, step it outside the graphed function"
         return _not_capturable(name), (
-            "keeps its step count on the CPU, which a graph freezes at capture: create it "
-            f"with {name}(..., capturable=True)"
+            f"keeps its step count on the CPU, which a graph freezes at capture: {fix}"
         )
     return f"{name}.step()", (
         "runs on the CPU, which a graph freezes at capture: step this "
@@ -167,14 +169,16 @@ def host_read_fix(operation: str) -> str:
     )
 
 
-def _finding(operation: str, consequence: str, frame: Optional[FrameType]) -> Finding:
+def _finding(
+    operation: str, consequence: str, frame: Optional[FrameType], device_type: str = "cuda"
+) -> Finding:
     location, source = location_of_caller(frame)
     # Inside optimizer.step(), the optimizer is the cause: with capturable=False it keeps its
     # step count on the CPU, computed with on CUDA and read with .item() where the graphed
     # device is the CPU (the emulation).
     optimizer = optimizer_running(frame) if operation in ("host read", CPU_OPERATION) else None
     if optimizer is not None:
-        operation, consequence = _optimizer_words(optimizer)
+        operation, consequence = _optimizer_words(optimizer, device_type)
     elif operation == "host read":
         operation = _host_read_name(source)
         consequence = f"{consequence}, and {host_read_fix(operation)}"
@@ -225,7 +229,7 @@ class UnsafeOpDetector(LibraryUse):
 
     def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
         if self.finding is None:
-            self.finding = _finding(operation, consequence, frame)
+            self.finding = _finding(operation, consequence, frame, self.device_type)
         if self.raise_on_unsafe:
             raise GuardError(self.finding)
 

@@ -137,10 +137,18 @@ def traits_of(func: Any) -> _Traits:
     return traits
 
 
-_NOT_STRIDED_CONSEQUENCE = (
-    "reads it by address through its indices and values, which autograph does not watch: a "
-    "replay after it is rebound or rebuilt would read the old one; make it dense "
-    "(.to_dense()) or run the sparse op outside the graphed function"
+# Not torch.jagged: a nested tensor's ops reach the modes as ops on its strided parts.
+SPARSE_LAYOUTS = (
+    torch.sparse_coo,
+    torch.sparse_csr,
+    torch.sparse_csc,
+    torch.sparse_bsr,
+    torch.sparse_bsc,
+)
+_SPARSE_CONSEQUENCE = (
+    "would be read by a graph at the addresses of its indices and values, which autograph "
+    "does not watch (a sparse tensor rebound or made anew would replay the old one): make it "
+    "dense (.to_dense()) or run the sparse op outside the graphed function"
 )
 
 
@@ -156,10 +164,10 @@ def unsafe_op(
     if tensors is None:
         tensors = list(tensors_in((*args, *kwargs.values())))
     for tensor in tensors:
-        if tensor.layout is not torch.strided:
+        if tensor.layout in SPARSE_LAYOUTS:
             # Sparse state (a buffer, a global) and sparse tensors made inside: arguments are
             # refused by their key. Read by address without a storage to watch (_reads).
-            return f"computing with a {_layout_name(tensor)} tensor", _NOT_STRIDED_CONSEQUENCE
+            return f"a {_layout_name(tensor)} tensor", _SPARSE_CONSEQUENCE
     traits = TRAITS.get(func) or traits_of(func)
     on_device = (traits.host_read or traits.index is not None or traits.dynamic_shape) and any(
         t.device.type == device_type for t in tensors_in(args)

@@ -5,6 +5,9 @@ follows the batch, and functions whose real rows change with the padding are cau
 Each test failed on the engine of 70aa60d (issue 22); the wiring of ``_batch_dims``,
 ``_row_mixing`` and ``_bucket_runs`` makes them pass."""
 
+import dataclasses
+import random
+
 import pytest
 import torch
 
@@ -288,7 +291,7 @@ def test_a_dim_of_the_buckets_size_by_chance_is_not_sliced(device):
     @autograph.graphed(buckets=[4], static_argnames=("cache",))
     def step(x, cache):
         cache[: x.shape[0]] = x @ weight
-        return x @ weight, weight.sum(1), cache * 2
+        return x @ weight, weight.sum(1), cache[: x.shape[0]] * 2
 
     cache = torch.zeros(4, 4, device=device)
     for _ in range(4):
@@ -315,6 +318,100 @@ def test_the_fake_run_leaves_the_python_state_as_it_was(device):
         assert cache.calls == calls
         assert isinstance(cache.kv, torch.Tensor) and torch.equal(cache.kv[:3, 0], x)
     assert states(step)[0][0] == "eager"
+
+
+class WeightHolder:
+    """A plain object holding a weight (functional style): the same in every bucket."""
+
+    def __init__(self, device):
+        self.w = torch.randn(4, 6, device=device)  # 4 features: the bucket's size by chance
+
+
+class HeadsCache:
+    def __init__(self, rows, device):
+        self.kv = torch.zeros(rows, 4, 6, device=device)  # 4 heads in every bucket
+
+
+def served_or_refused(graphed, calls):
+    """Each call's output shapes as eager's on the call's rows, or a ValueError naming the
+    fixes; never other shapes."""
+    for args, expected_shapes in calls:
+        try:
+            got = graphed(*args)
+        except ValueError as error:
+            assert "bucket_outputs=" in str(error)
+            continue
+        assert [tuple(t.shape) for t in got] == expected_shapes
+
+
+@pytest.mark.parametrize("holder", ["weight_in_an_object", "heads_of_the_buckets_size"])
+def test_a_size_of_held_state_left_free_is_no_evidence(device, holder):
+    # The fake run took the free sizes of whatever the arguments held to grow with the
+    # bucket: a weight's 4 features came back as 3, a cache's 4 heads as 3 (silently).
+    if holder == "weight_in_an_object":
+
+        def step(x, params, cache):
+            cache[: x.shape[0]] = x
+            return (x @ params.w.T,)
+
+        held = (WeightHolder(device), torch.zeros(4, 6, device=device))
+        expected = [(3, 4)]
+    else:
+
+        def step(x, cache):
+            cache.kv[:, 0] = x
+            return cache.kv.sum(-1), cache.kv[0].sum(-1)
+
+        held = (HeadsCache(4, device),)
+        expected = [(3, 4), (4,)]
+    graphed = autograph.graphed(step, buckets=[4], static_argnames=("cache",))
+    calls = [((torch.randn(3, 6, device=device), *held), expected) for _ in range(4)]
+    served_or_refused(graphed, calls)
+
+
+@dataclasses.dataclass
+class Weights:
+    w: torch.Tensor
+
+
+def test_a_dataclass_argument_does_not_shift_which_tensor_is_padded(device):
+    # The fake run found the padded tensor by its index among torch pytree's tensors, which
+    # do not descend into dataclasses as keys do: the unpadded `scale` was taken for the batch.
+    @autograph.graphed(buckets=[4], static_argnames=("cache",), bucket_args={"x": 0})
+    def step(cache, weights, x, scale):
+        cache[: x.shape[0]] = x @ weights.w
+        return x * 2 + scale.sum()
+
+    cache, weights = torch.zeros(4, 6, device=device), Weights(torch.randn(6, 6, device=device))
+    scale = torch.randn(5, 6, device=device)
+    for _ in range(4):
+        x = torch.randn(3, 6, device=device)
+        torch.testing.assert_close(step(cache, weights, x, scale), x * 2 + scale.sum())
+    assert states(step) == [("graphed", 4, 1, 3)]
+
+
+SERVED_TOKENS = {"count": 0, "last": None}
+
+
+def account(x):
+    SERVED_TOKENS["count"] += x.shape[0]
+    SERVED_TOKENS["last"] = x
+
+
+def test_the_fake_run_leaves_no_fake_value_in_a_helpers_globals(device):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def step(x, cache):
+        account(x)
+        cache.kv[: x.shape[0], 0] = x
+        return x * 2
+
+    python_random = random.getstate()
+    step(torch.randn(3, 6, device=device), RowCache(4, device))
+    assert type(SERVED_TOKENS["count"]) is int
+    assert not isinstance(SERVED_TOKENS["last"], (FakeTensor, torch.SymInt))
+    assert random.getstate() == python_random
 
 
 def test_per_bucket_state_whose_dims_no_run_can_tell_raises_naming_the_fixes(device):

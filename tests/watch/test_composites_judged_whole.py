@@ -87,7 +87,7 @@ def test_cpu_work_in_linear_and_matmul_is_found_whole_as_in_parts(name, fn):
     assert finding_under(torch.no_grad, fn) == CPU_OPERATION
     assert finding_under(torch.inference_mode, fn) == CPU_OPERATION
     # Graphing the CPU itself, only sparse work is refused (read by address, unwatched).
-    on_cpu = "computing with a sparse_coo tensor" if "sparse" in name else None
+    on_cpu = "a sparse_coo tensor" if "sparse" in name else None
     assert finding_under(torch.inference_mode, fn, device_type="cpu") == on_cpu
 
 

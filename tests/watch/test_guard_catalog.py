@@ -560,7 +560,8 @@ def test_a_whole_step_on_the_emulation_names_capturable(emulated, options):
         optimizer.zero_grad()
         return loss
 
-    with pytest.warns(autograph.AutographWarning, match=r"AdamW\(\.\.\., capturable=True\)"):
+    match = r"on CUDA, create it with AdamW\(\.\.\., capturable=True\); in the CPU emulation"
+    with pytest.warns(autograph.AutographWarning, match=match):
         for _ in range(4):
             step(torch.randn(2, 4))
     reasons = [row.fallback_reason for row in step.stats() if " > " not in row.function]
