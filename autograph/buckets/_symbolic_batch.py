@@ -36,7 +36,6 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
-from sympy import sympify  # torch's own dependency: its symbolic shapes are sympy expressions
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 Tensor = torch.Tensor
@@ -88,6 +87,10 @@ def _of_the_batch(
 ) -> Optional[Callable[[int], Optional[List[Any]]]]:
     """The fake run's outputs as a function of the batch size, or None where its guards,
     replacements and free symbols show nothing of other sizes."""
+    # torch's own dependency (its symbolic shapes are sympy expressions), imported only here:
+    # importing it costs ``import autograph`` 0.2 s
+    from sympy import sympify
+
     canonical = {
         kind: {shape_env.replace(s) for s in symbols} for kind, symbols in fakes.symbols.items()
     }
