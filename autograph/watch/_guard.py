@@ -36,6 +36,7 @@ import os
 import re
 import sys
 import traceback
+import weakref
 from types import FrameType, TracebackType
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -209,6 +210,10 @@ class LibraryUse(Observer):
             self.generators.append(generator)
 
 
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_SCALAR_OF = torch.ops.aten._local_scalar_dense.default
+
+
 class UnsafeOpDetector(LibraryUse):
     """Record (or stop at) the first unsafe operation made by the current thread.
 
@@ -226,6 +231,8 @@ class UnsafeOpDetector(LibraryUse):
         self.device_type = device_type
         self.raise_on_unsafe = raise_on_unsafe
         self.finding: Optional[Finding] = None
+        # CPU scalars made of Python numbers in this run (torch.tensor(2.0)), held weakly.
+        self.constants: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 
     def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
         if self.finding is None:
@@ -238,11 +245,23 @@ class UnsafeOpDetector(LibraryUse):
     def split(self, func: Any, tensors: Sequence[torch.Tensor]) -> Optional[Any]:
         return judged_apart(func, tensors, self.device_type)
 
-    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> None:
+    def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> Any:
         super().before(func, args, kwargs, tensors)
+        if func is _LIFT_FRESH:
+            return True  # its result: a constant made of Python values (``after``)
+        if func is _SCALAR_OF and tensors and tensors[0] in self.constants:
+            # A number made into a CPU tensor in this run and read back (torch.compile's
+            # compiled code does so with a Python float argument): the graph freezes the
+            # Python value, as it freezes any Python number the call computes with.
+            return None
         unsafe = unsafe_op(func, args, kwargs, self.device_type, tensors)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))
+        return None
+
+    def after(self, token: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dim() == 0:
+            self.constants.add(out)
 
     def __enter__(self) -> "UnsafeOpDetector":
         self._host_calls = watch_host_calls(self)

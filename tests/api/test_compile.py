@@ -172,6 +172,20 @@ def test_graphed_inductor_function_captures_triton_kernels():
     assert any(launches) and not all(launches)  # Triton kernels launched inside the capture
 
 
+@requires_cuda
+@pytest.mark.cuda
+def test_a_compiled_function_of_a_changing_float_stays_graphed():
+    # torch.compile passes a float argument that changes as a CPU scalar its compiled code
+    # reads back on the host; the key went eager with "computing with a CPU tensor" at the
+    # user's line, though the float is already part of the key.
+    graphed = autograph.graphed(torch.compile(lambda x, y: x + y))
+    x = torch.randn(256, device="cuda")
+    for y in [1.0, 2.0, 3.0, 4.0] * 4:
+        torch.testing.assert_close(graphed(x, y), x + y)
+    rows = graphed.stats()
+    assert len(rows) == 4 and all(r.state == "graphed" and r.replays >= 1 for r in rows), rows
+
+
 def _inductor_works_on_cpu():
     try:
         torch.compile(lambda t: t + 1)(torch.zeros(1))

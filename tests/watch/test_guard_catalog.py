@@ -577,6 +577,20 @@ def cpu_computation_outside_an_optimizer(x):
     return torch.arange(3) * x
 
 
+def test_a_number_made_a_cpu_scalar_in_the_run_and_read_back_is_not_cpu_work():
+    # What torch.compile's compiled code does with a float argument while graphing CUDA.
+    assert observe(lambda: torch.tensor(2.0).item(), device_type="cuda") is None
+    assert observe(lambda: float(torch.tensor(2.0)), device_type="cuda") is None
+
+
+def test_a_cpu_scalar_not_made_in_the_run_read_back_is_still_cpu_work():
+    step_count = torch.tensor(3.0)  # state: its value changes between calls
+    for fn in (lambda: step_count.item(), lambda: torch.zeros(()).item()):
+        assert observe(fn, device_type="cuda").operation == "computing with a CPU tensor"
+    computed = lambda: (torch.tensor(2.0) * 3).item()  # noqa: E731 - computed on the CPU
+    assert observe(computed, device_type="cuda").operation == "computing with a CPU tensor"
+
+
 def test_other_cpu_computations_keep_their_name():
     finding = observe(cpu_computation_outside_an_optimizer, 2, device_type="meta")
     assert finding.operation == "computing with a CPU tensor"
