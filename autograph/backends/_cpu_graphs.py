@@ -34,6 +34,7 @@ from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Set
 import torch
 
 from . import _devices
+from ._as_if_capturing import as_if_capturing
 from ._backend import Capture
 from ._cpu_recorder import RecordedOp, Recorder
 
@@ -85,23 +86,6 @@ def _counting_inductor_runs(runs: List[int]) -> Iterator[None]:
     finally:
         for cls, original in patched:
             cls.__call__ = original
-
-
-@contextlib.contextmanager
-def _capturing_as_cuda_says() -> Iterator[None]:
-    """``torch.cuda.is_current_stream_capturing()`` says True in this thread while it records,
-    as it does during a CUDA capture: capture-aware code (transformers skips its host reads of
-    padding masks and prompt lengths) then takes the path it takes on CUDA."""
-    original = torch.cuda.is_current_stream_capturing
-
-    def is_current_stream_capturing() -> bool:
-        return _recording.active or original()
-
-    torch.cuda.is_current_stream_capturing = is_current_stream_capturing
-    try:
-        yield
-    finally:
-        torch.cuda.is_current_stream_capturing = original
 
 
 class CpuGraphs:
@@ -168,7 +152,7 @@ class CpuGraphs:
             inductor_runs = [0]
             _recording.active = True
             try:
-                with _counting_inductor_runs(inductor_runs), _capturing_as_cuda_says(), recorder:
+                with _counting_inductor_runs(inductor_runs), as_if_capturing(), recorder:
                     # Caught inside the generator context managers, which would set the
                     # error's __traceback__ (refused by a frozen dataclass exception).
                     try:

@@ -20,7 +20,9 @@ closure: the same in every bucket) it is a constant.
 The evidence holds only where the run's guards hold: if the batch's symbol was specialised
 (a Python read of a real tensor's size compared with it), tied to a weight's size, an output
 is a value read from the data (``.item()``), or no second size meets the guards, there is
-none (``None``) and the key waits for a real run at another size, as before. The run executes
+none (``None``) and the key waits for a real run at another size, as before. The run takes the
+capture's path through capture-aware code (``as_if_capturing``: transformers reads no prompt
+offset on the host while a stream captures), since its outputs are to be the graph's. It executes
 the function's Python once more: Python state it writes that autograph's snapshot does not
 reach (a helper function's module global) gets the run's fake values, as it gets a second
 write from any warmup or capture run (docs/design.md, "Buckets").
@@ -37,6 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
+
+from ..backends._as_if_capturing import as_if_capturing
 
 Tensor = torch.Tensor
 
@@ -73,7 +77,7 @@ def symbolic_shapes(
         try:
             for leaf in tree_flatten((args, kwargs))[0]:
                 swapped.walk(leaf, _DEPTH)
-            with _GlobalsKept(), fakes.mode, _FakeOnFirstUse(fakes):
+            with as_if_capturing(), _GlobalsKept(), fakes.mode, _FakeOnFirstUse(fakes):
                 outputs = call(*fake_args, **fake_kwargs)
         except Exception:  # noqa: BLE001 - a host read, an op without a fake kernel: no evidence
             return None

@@ -80,7 +80,7 @@ def capture_failure(detector: UnsafeOpDetector, capture: Capture) -> Optional[Fi
     finding = detector.finding
     for error in (capture.error, capture.hard_error):
         if finding is None and error is not None:
-            finding = classify_capture_error(error)
+            finding = classify_capture_error(error, detector.device_type)
     if finding is None and capture.hard_error is not None:
         finding = Finding("the capture", f"failed: {capture.hard_error}")
     return finding

@@ -136,6 +136,15 @@ def _not_capturable(name: str) -> str:
     return f"{name}.step() with capturable=False"
 
 
+def _capturable_fix(name: str, device_type: str) -> str:
+    """What to do about optimizer class ``name`` made with capturable=False, graphing
+    ``device_type``."""
+    fix = f"create it with {name}(..., capturable=True)"
+    if device_type == "cpu":  # the emulation: torch refuses capturable with CPU parameters
+        fix = f"on CUDA, {fix}; in the CPU emulation, step it outside the graphed function"
+    return fix
+
+
 def _optimizer_words(optimizer: torch.optim.Optimizer, device_type: str) -> Tuple[str, str]:
     """(operation, consequence) for a CPU computation or a host read inside
     ``optimizer.step()``, graphing ``device_type``."""
@@ -143,11 +152,9 @@ def _optimizer_words(optimizer: torch.optim.Optimizer, device_type: str) -> Tupl
     if "capturable" in optimizer.defaults and not all(
         group.get("capturable") for group in optimizer.param_groups
     ):
-        fix = f"create it with {name}(..., capturable=True)"
-        if device_type == "cpu":  # the emulation: torch refuses capturable with CPU parameters
-            fix = f"on CUDA, {fix}; in the CPU emulation, step it outside the graphed function"
         return _not_capturable(name), (
-            f"keeps its step count on the CPU, which a graph freezes at capture: {fix}"
+            "keeps its step count on the CPU, which a graph freezes at capture: "
+            + _capturable_fix(name, device_type)
         )
     return f"{name}.step()", (
         "runs on the CPU, which a graph freezes at capture: step this "
@@ -319,19 +326,17 @@ _STALE_ACCUMULATOR = (
 _SEEDING_CALL = re.compile(r"[\w.]*(?:seed|set_rng_state|set_state|fork_rng)\w*\(")
 
 
-def _named_cause(text: str, source: str) -> Optional[Tuple[str, str]]:
+def _named_cause(text: str, source: str, device_type: str) -> Optional[Tuple[str, str]]:
     """(operation, consequence) when the error's text or the user's line names the cause.
 
     >>> _named_cause("... set_current_seed can be called during stream capture only if ...",
-    ...              "g.manual_seed(1)")
+    ...              "g.manual_seed(1)", "cuda")
     ('g.manual_seed()', 'reseeds the random generator, ...')
     """
     refused = _OPTIMIZER_REFUSED.search(text)
     if refused:
         name = refused.group(1)
-        return _not_capturable(name), (
-            f"cannot be captured: create it with {name}(..., capturable=True)"
-        )
+        return _not_capturable(name), (f"cannot be captured: {_capturable_fix(name, device_type)}")
     if "set_current_seed" in text or "CUDAGeneratorImpl::seed" in text:
         call = _SEEDING_CALL.search(source)
         return (call.group(0) + ")" if call else "reseeding a random generator"), _RESEEDS
@@ -372,8 +377,9 @@ def raised_by_user(error: BaseException) -> bool:
     )
 
 
-def classify_capture_error(error: BaseException) -> Optional[Finding]:
-    """A finding when ``error`` comes from capturing, or None for the user's own error.
+def classify_capture_error(error: BaseException, device_type: str = "cuda") -> Optional[Finding]:
+    """A finding when ``error`` comes from capturing ``device_type``'s work (the CPU
+    emulation: "cpu"), or None for the user's own error.
 
     Told apart by type and origin, not by words: the guard's ``GuardError``; an error the
     user's own ``raise`` made is the user's (whatever its message says) unless it was raised
@@ -384,10 +390,12 @@ def classify_capture_error(error: BaseException) -> Optional[Finding]:
         return error.finding
     if raised_by_user(error):
         cause = error.__cause__ or error.__context__
-        return None if cause is None or cause is error else classify_capture_error(cause)
+        return (
+            None if cause is None or cause is error else classify_capture_error(cause, device_type)
+        )
     text = str(error)
     location, source = location_in_traceback(error.__traceback__)
-    named = _named_cause(text, source)
+    named = _named_cause(text, source, device_type)
     if named is not None:
         return Finding(*named, location, source)
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__

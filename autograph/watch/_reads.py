@@ -41,6 +41,7 @@ def storage_ptr(t: Tensor) -> int:
 
 
 _aten = torch.ops.aten
+_LIFT_FRESH = _aten.lift_fresh.default
 # In training mode these update running_mean and running_var in place, although their schemas
 # do not mark them as written (those of _native_batch_norm_legit and _batch_norm_with_update
 # do), by the name of the argument that says training. The composite ones reach a dispatch
@@ -121,6 +122,12 @@ class CallWatch(Observer):
         self.external: Dict[int, Tensor] = {}
 
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> bool:
+        if func is _LIFT_FRESH:
+            # torch.tensor(2.0) in the run: made of Python values outside the dispatcher, it
+            # first reaches a mode here. The run made it (its value is the call's Python, which
+            # the key and the values read cover); a graph reads no state by its address. Not a
+            # pinned one: a copy from it to the GPU is captured, reading its memory by address.
+            self.known.update(storage_ptr(t) for t in tensors if not t.is_pinned())
         for t in tensors:
             ptr = storage_ptr(t)
             if ptr not in self.known:

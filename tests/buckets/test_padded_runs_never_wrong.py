@@ -414,6 +414,29 @@ def test_the_fake_run_leaves_no_fake_value_in_a_helpers_globals(device):
     assert random.getstate() == python_random
 
 
+def test_the_fake_run_takes_the_captures_path_through_capture_aware_code(device):
+    # transformers 5.17 reads the prompt's offset on the host unless a stream captures; the
+    # fake run read it too, found nothing, and the first call of 3 rows raised.
+    def capturing():  # as transformers asks (a CPU-only torch raises)
+        try:
+            return torch.cuda.is_current_stream_capturing()
+        except Exception:
+            return False
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def step(x, cache):
+        if not capturing() and cache.pos.item() == 0:
+            pass  # a host read the capture skips, which no fake tensor can answer
+        cache.kv[: x.shape[0], 0] = x
+        return x * 2
+
+    cache = RowCache(4, device)
+    for _ in range(3):
+        x = torch.randn(3, 6, device=device)
+        torch.testing.assert_close(step(x, cache), x * 2)
+    assert states(step) == [("graphed", 3, 1, 2)]
+
+
 def test_per_bucket_state_whose_dims_no_run_can_tell_raises_naming_the_fixes(device):
     # A real tensor's size (4, the bucket's) meets the batch in Python: the fake run's batch
     # is specialised to 4, which shows nothing about other sizes.

@@ -358,6 +358,12 @@ def test_an_optimizer_that_torch_refuses_to_capture_is_named():
         f"AdamW.step() with capturable=False at {unsafe_line(optimizer_step)} cannot be "
         "captured: create it with AdamW(..., capturable=True)"
     )
+    # Where CUDA is present, torch refuses the emulation's capture the same way.
+    emulated = classify_capture_error(error_of(optimizer_step, optimizer), "cpu")
+    assert emulated.consequence == (
+        "cannot be captured: on CUDA, create it with AdamW(..., capturable=True); in the CPU "
+        "emulation, step it outside the graphed function"
+    )
 
 
 def test_other_capture_errors_still_classified():

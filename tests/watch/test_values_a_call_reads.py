@@ -71,6 +71,25 @@ def test_a_global_flag_changed_between_calls_is_read_again(device):
 
 
 _DOUBLE = False
+_SCALE = 2.0
+
+
+def test_a_number_made_into_a_tensor_in_the_call_stays_graphed_and_right(device):
+    # torch.tensor(number) in the call is a CPU scalar made anew each call (and freed after
+    # it): on CUDA it was taken for state read by address and rebound, and the key went eager.
+    global _SCALE
+
+    @autograph.graphed
+    def scaled(x):
+        return x * torch.tensor(_SCALE) + torch.tensor(1.0)
+
+    x = torch.randn(4, device=device)
+    for scale in (2.0, 2.0, 2.0, 3.0, 3.0, 2.0):
+        _SCALE = scale
+        torch.testing.assert_close(scaled(x), x * scale + 1, rtol=0, atol=0)
+    _SCALE = 2.0
+    assert [row[0] for row in states(scaled)] == ["graphed"], states(scaled)
+    assert states(scaled)[0][3] >= 3, states(scaled)
 
 
 class _Schedule:
