@@ -38,7 +38,7 @@ import sys
 import traceback
 import weakref
 from types import FrameType, TracebackType
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,7 +46,8 @@ from .._warn import is_user_file
 from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
-from ._modes import BOTH, Observer
+from ._modes import BOTH, Observer, tensors_in
+from ._reads import written_tensors
 from ._unsafe_ops import CPU_OPERATION, TRAITS, judged_apart, traits_of, unsafe_op
 
 _OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
@@ -218,7 +219,36 @@ class LibraryUse(Observer):
 
 
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
-_SCALAR_OF = torch.ops.aten._local_scalar_dense.default
+
+
+class PythonNumbers:
+    """CPU scalars holding Python numbers, by identity (a set would compare tensors by value),
+    held weakly.
+
+    >>> numbers = PythonNumbers(); numbers.add(t)
+    >>> t in numbers, torch.tensor(1.0) in numbers
+    (True, False)
+    """
+
+    def __init__(self) -> None:
+        self._held: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self._held[id(tensor)] = weakref.ref(tensor)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def discard_written(self, written: Sequence[torch.Tensor]) -> bool:
+        """Forget those of ``written`` held here; whether there were any."""
+        found = [t for t in written if t in self]
+        for tensor in found:
+            del self._held[id(tensor)]
+        return bool(found)
+
+    def __contains__(self, tensor: object) -> bool:
+        held = self._held.get(id(tensor))
+        return held is not None and held() is tensor
 
 
 class UnsafeOpDetector(LibraryUse):
@@ -238,8 +268,9 @@ class UnsafeOpDetector(LibraryUse):
         self.device_type = device_type
         self.raise_on_unsafe = raise_on_unsafe
         self.finding: Optional[Finding] = None
-        # CPU scalars made of Python numbers in this run (torch.tensor(2.0)), held weakly.
-        self.constants: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+        # CPU scalars made of Python numbers in this run (torch.tensor(2.0)), and those
+        # computed from them alone: what a graph freezes of them is Python's numbers.
+        self.constants = PythonNumbers()
 
     def report(self, operation: str, consequence: str, frame: Optional[FrameType]) -> None:
         if self.finding is None:
@@ -255,20 +286,28 @@ class UnsafeOpDetector(LibraryUse):
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> Any:
         super().before(func, args, kwargs, tensors)
         if func is _LIFT_FRESH:
-            return True  # its result: a constant made of Python values (``after``)
-        if func is _SCALAR_OF and tensors and tensors[0] in self.constants:
-            # A number made into a CPU tensor in this run and read back (torch.compile's
-            # compiled code does so with a Python float argument): the graph freezes the
-            # Python value, as it freezes any Python number the call computes with.
-            return None
-        unsafe = unsafe_op(func, args, kwargs, self.device_type, tensors)
+            return True  # its result: a number made into a CPU tensor (``after``)
+        # Such a number computed with (x * torch.tensor(scale)) or read back (torch.compile's
+        # code does so with a float argument) is no CPU work: the graph freezes Python's
+        # value, as it freezes any Python number the call computes with (the key and the
+        # values read cover them). Not one written in place: a count kept from the run
+        # (an optimizer's first step makes its step count so, then adds 1 to it) is state.
+        numbers = self.constants
+        if numbers and self.constants.discard_written(written_tensors(func, args, kwargs)):
+            numbers = PythonNumbers()
+        unsafe = unsafe_op(func, args, kwargs, self.device_type, tensors, numbers)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))
+        # An op of such numbers alone makes such numbers (torch.tensor(d).sqrt()).
+        if numbers and tensors and all(t in numbers for t in tensors):
+            return True
         return None
 
     def after(self, token: Any, out: Any) -> None:
-        if isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dim() == 0:
-            self.constants.add(out)
+        if token:
+            for tensor in tensors_in(out if isinstance(out, (list, tuple)) else (out,)):
+                if tensor.device.type == "cpu" and tensor.dim() == 0:
+                    self.constants.add(tensor)
 
     def __enter__(self) -> "UnsafeOpDetector":
         self._host_calls = watch_host_calls(self)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -158,9 +158,12 @@ def unsafe_op(
     kwargs: dict,
     device_type: str,
     tensors: Optional[Sequence[torch.Tensor]] = None,
+    numbers: Container[torch.Tensor] = (),
 ) -> Optional[Tuple[str, str]]:
     """(operation, consequence) when ``func`` cannot be captured on ``device_type``;
-    ``tensors`` are those it is passed, when the caller has found them already."""
+    ``tensors`` are those it is passed, when the caller has found them already; ``numbers``
+    the CPU scalars made of Python numbers in the run, which a GPU op may take as it takes a
+    Python number."""
     if tensors is None:
         tensors = list(tensors_in((*args, *kwargs.values())))
     for tensor in tensors:
@@ -170,7 +173,7 @@ def unsafe_op(
             return f"a {_layout_name(tensor)} tensor", _SPARSE_CONSEQUENCE
     traits = TRAITS.get(func) or traits_of(func)
     on_device = (traits.host_read or traits.index is not None or traits.dynamic_shape) and any(
-        t.device.type == device_type for t in tensors_in(args)
+        t.device.type == device_type and t not in numbers for t in tensors_in(args)
     )
     if traits.host_read and on_device:
         return "host read", _SYNC_CONSEQUENCE
@@ -201,7 +204,7 @@ def unsafe_op(
     if (
         device_type != "cpu"
         and traits.cpu_checked
-        and any(t.device.type == "cpu" for t in tensors_in(args))
+        and any(t.device.type == "cpu" and t not in numbers for t in tensors_in(args))
     ):
         if traits.index == "index_put":
             return _number_assigned(args, kwargs) or (CPU_OPERATION, CPU_CONSEQUENCE)

@@ -142,6 +142,22 @@ def test_computing_on_the_cpu_is_flagged_when_graphing_the_gpu():
             torch.arange(4) * 2
 
 
+def test_python_numbers_made_into_cpu_scalars_are_not_cpu_work():
+    # x * torch.tensor(scale) on CUDA went eager with "computing with a CPU tensor": the
+    # graph freezes the number, as it freezes a Python number, which the key covers.
+    counter = torch.zeros(())  # CPU state made before the run: its value is not Python's
+    with UnsafeOpDetector("cuda", raise_on_unsafe=True) as detector:
+        scale = torch.tensor(2.0)
+        root = scale.sqrt()  # computed from numbers alone: a number too
+        assert (scale * 3).item() == 6.0 and float(root) == pytest.approx(2**0.5)
+        assert root in detector.constants and counter not in detector.constants
+        with pytest.raises(GuardError, match="computing with a CPU tensor"):
+            counter * root
+    with pytest.raises(GuardError, match="a copy from pageable host memory"):
+        with UnsafeOpDetector("cuda", raise_on_unsafe=True):
+            torch.ops.aten._to_copy.default(torch.tensor([2.0]), device=torch.device("cuda"))
+
+
 def observe_free(fn):
     return fn()
 

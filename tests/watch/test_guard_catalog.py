@@ -593,8 +593,17 @@ def test_a_cpu_scalar_not_made_in_the_run_read_back_is_still_cpu_work():
     step_count = torch.tensor(3.0)  # state: its value changes between calls
     for fn in (lambda: step_count.item(), lambda: torch.zeros(()).item()):
         assert observe(fn, device_type="cuda").operation == "computing with a CPU tensor"
-    computed = lambda: (torch.tensor(2.0) * 3).item()  # noqa: E731 - computed on the CPU
-    assert observe(computed, device_type="cuda").operation == "computing with a CPU tensor"
+    # Computed from Python numbers alone, it is a Python number too (as 2.0 * 3 would be);
+    # written in place, it is a count kept as state (an optimizer's first step).
+    computed = lambda: (torch.tensor(2.0) * 3).item()  # noqa: E731
+    assert observe(computed, device_type="cuda") is None
+
+    def counted():
+        count = torch.tensor(0.0)
+        count += 1
+        return count.item()
+
+    assert observe(counted, device_type="cuda").operation == "computing with a CPU tensor"
 
 
 def test_other_cpu_computations_keep_their_name():
