@@ -7,8 +7,10 @@ sizes 1 + floor(31 * u**2.5) for uniform u, seeded), 2,000 requests.
   from the calls' real sizes (``stats()`` ``sizes``), and the same traffic replayed through the
   suggested buckets to check the prediction;
 - memory under a budget: exact-size graphs (one per batch size, 32 sizes, 40 shapes counting
-  8 sizes seen twice with another sequence length) with ``max_graph_memory`` set to 4 graphs'
-  worth: the largest graph memory held at any time, evictions, and wrong results (0 expected);
+  8 sizes seen twice with another sequence length) with ``max_graph_memory`` set to 1.5 times
+  the largest graph (at 4 times it did not bind on the H200: the 40 graphs held 58 MiB, the
+  largest 28 MiB, as graphs share their pool): the largest graph memory held at any time,
+  evictions, and wrong results (0 expected);
 - ``capture()`` wall time of the 6 power-of-two buckets in a process that has run the model.
 
 About 30-60 s on an H200."""
@@ -118,8 +120,8 @@ def memory_under_a_budget(rows, model):
     for _ in range(3):
         probe(ids, attention_mask=mask)
     one_graph = max(r.graph_bytes for r in probe.forward.stats())
-    budget = 4 * one_graph
-    progress(f"40 shapes under max_graph_memory={budget / MIB:.1f} MiB (4 of the largest graph)")
+    budget = one_graph * 3 // 2
+    progress(f"40 shapes under max_graph_memory={budget / MIB:.1f} MiB (1.5 of the largest graph)")
     limited = autograph.graphed(
         copy.deepcopy(model), max_graph_memory=budget, max_graphs=64, check_payoff=False
     )

@@ -201,14 +201,13 @@ def unsafe_op(
                 "cannot be captured: create the tensor on the GPU or pin it",
             )
         return None
-    if (
-        device_type != "cpu"
-        and traits.cpu_checked
-        and any(t.device.type == "cpu" and t not in numbers for t in tensors_in(args))
-    ):
-        if traits.index == "index_put":
+    if device_type != "cpu" and traits.cpu_checked:
+        on_the_cpu = [t for t in tensors_in(args) if t.device.type == "cpu"]
+        if on_the_cpu and traits.index == "index_put":
+            # Its value copied to the GPU inside the op, whatever made it (x[i] = 7.0).
             return _number_assigned(args, kwargs) or (CPU_OPERATION, CPU_CONSEQUENCE)
-        return CPU_OPERATION, CPU_CONSEQUENCE
+        if any(t not in numbers for t in on_the_cpu):
+            return CPU_OPERATION, CPU_CONSEQUENCE
     name = traits.name
     if traits.index is not None and on_device:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())

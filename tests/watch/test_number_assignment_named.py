@@ -42,3 +42,15 @@ def test_an_accumulating_index_put_of_a_number_is_not_named_an_assignment():
         _aten.index_put_.default, (target, [index], torch.tensor(1.0), True), {}, "cuda"
     )
     assert operation == "computing with a CPU tensor"
+
+
+def test_a_number_assigned_is_named_though_a_python_number_made_it():
+    # y[index] = 7.0 makes 7.0 a CPU scalar of Python's (which a GPU op may take as a number)
+    # and copies it to the GPU inside index_put_: the guard must still name it.
+    number = torch.tensor(7.0)
+    target, index = torch.empty(4, device="meta"), torch.tensor([1], device="meta")
+    finding = unsafe_op(
+        _aten.index_put_.default, (target, [index], number), {}, "cuda", numbers={number}
+    )
+    assert finding is not None and finding[0] == "x[index] = number"
+    assert unsafe_op(_aten.mul.Tensor, (target, number), {}, "cuda", numbers={number}) is None
