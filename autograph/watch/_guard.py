@@ -298,8 +298,14 @@ class UnsafeOpDetector(LibraryUse):
         unsafe = unsafe_op(func, args, kwargs, self.device_type, tensors, numbers)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))
-        # An op of such numbers alone makes such numbers (torch.tensor(d).sqrt()).
-        if numbers and tensors and all(t in numbers for t in tensors):
+        # An op of such numbers alone makes such numbers (torch.tensor(d).sqrt()); not a
+        # random one (torch.bernoulli(torch.tensor(0.5))), whose draw a graph would freeze.
+        if (
+            numbers
+            and tensors
+            and all(t in numbers for t in tensors)
+            and torch.Tag.nondeterministic_seeded not in func.tags
+        ):
             return True
         return None
 

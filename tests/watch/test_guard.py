@@ -153,6 +153,9 @@ def test_python_numbers_made_into_cpu_scalars_are_not_cpu_work():
         assert root in detector.constants and counter not in detector.constants
         with pytest.raises(GuardError, match="computing with a CPU tensor"):
             counter * root
+        drawn = torch.bernoulli(torch.tensor(0.5))  # a draw, which a graph would freeze
+        with pytest.raises(GuardError, match="computing with a CPU tensor"):
+            drawn * 1
     with pytest.raises(GuardError, match="a copy from pageable host memory"):
         with UnsafeOpDetector("cuda", raise_on_unsafe=True):
             torch.ops.aten._to_copy.default(torch.tensor([2.0]), device=torch.device("cuda"))
