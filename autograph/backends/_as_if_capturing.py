@@ -16,25 +16,35 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 _here = threading.local()
+# The patch is process-wide: installed by the first block of any thread, removed by the last.
+_lock = threading.Lock()
+_users = 0
+_original: Callable[[], bool] = torch.cuda.is_current_stream_capturing  # set at install
+
+
+def _is_current_stream_capturing() -> bool:
+    return getattr(_here, "depth", 0) > 0 or _original()
 
 
 @contextlib.contextmanager
 def as_if_capturing() -> Iterator[None]:
-    original = torch.cuda.is_current_stream_capturing
-
-    def is_current_stream_capturing() -> bool:
-        return getattr(_here, "capturing", False) or original()
-
-    before = getattr(_here, "capturing", False)
-    _here.capturing = True
-    torch.cuda.is_current_stream_capturing = is_current_stream_capturing
+    global _users, _original
+    with _lock:
+        if _users == 0:
+            _original = torch.cuda.is_current_stream_capturing
+            torch.cuda.is_current_stream_capturing = _is_current_stream_capturing
+        _users += 1
+    _here.depth = getattr(_here, "depth", 0) + 1
     try:
         yield
     finally:
-        torch.cuda.is_current_stream_capturing = original
-        _here.capturing = before
+        _here.depth -= 1
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                torch.cuda.is_current_stream_capturing = _original

@@ -21,7 +21,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..distributed._ranks import COLLECTIVE_NAMESPACES
 from ..watch._modes import CompiledCodeRunsUnder, run_apart, tensors_in
-from ..watch._reads import written_tensors
+from ..watch._reads import made_of_python_values, written_tensors
 from ..watch._unsafe_ops import SPARSE_LAYOUTS, composite_keys
 
 _aten = torch.ops.aten
@@ -200,10 +200,11 @@ class Recorder(CompiledCodeRunsUnder):
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func.overloadpacket is _aten.lift_fresh:
+        if func.overloadpacket is _aten.lift_fresh and made_of_python_values(args[0]):
             # torch.tensor(...) made this tensor during the recording, outside any op: pool
             # memory, whose value each replay restores first (a CUDA graph's copy of a
-            # constant runs on every replay), in case the function then writes to it.
+            # constant runs on every replay), in case the function then writes to it. Not a
+            # numpy array's memory (torch.as_tensor(array)): the caller's, read by address.
             out = func(*args, **kwargs)
             storage = self.pool[_storage_key(out)] = out.untyped_storage()
             leaves, spec = tree_flatten(((_view(storage, _layout(out)), out.detach().clone()), {}))

@@ -47,7 +47,7 @@ from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
 from ._modes import BOTH, Observer, tensors_in
-from ._reads import written_tensors
+from ._reads import made_of_python_values, storage_ptr, written_tensors
 from ._unsafe_ops import CPU_OPERATION, TRAITS, judged_apart, traits_of, unsafe_op
 
 _OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
@@ -223,7 +223,8 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 class PythonNumbers:
     """CPU scalars holding Python numbers, by identity (a set would compare tensors by value),
-    held weakly.
+    held weakly, with their storages: a write through any view of one (``n.view(1).copy_(s)``)
+    makes it state.
 
     >>> numbers = PythonNumbers(); numbers.add(t)
     >>> t in numbers, torch.tensor(1.0) in numbers
@@ -231,24 +232,25 @@ class PythonNumbers:
     """
 
     def __init__(self) -> None:
-        self._held: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+        self._held: Dict[int, Tuple["weakref.ref[torch.Tensor]", int]] = {}
 
     def add(self, tensor: torch.Tensor) -> None:
-        self._held[id(tensor)] = weakref.ref(tensor)
+        self._held[id(tensor)] = (weakref.ref(tensor), storage_ptr(tensor))
 
     def __len__(self) -> int:
         return len(self._held)
 
     def discard_written(self, written: Sequence[torch.Tensor]) -> bool:
-        """Forget those of ``written`` held here; whether there were any."""
-        found = [t for t in written if t in self]
-        for tensor in found:
-            del self._held[id(tensor)]
+        """Forget those held here that share memory with ``written``; whether there were any."""
+        storages = {storage_ptr(t) for t in written} - {0}
+        found = [key for key, (_, storage) in self._held.items() if storage in storages]
+        for key in found:
+            del self._held[key]
         return bool(found)
 
     def __contains__(self, tensor: object) -> bool:
         held = self._held.get(id(tensor))
-        return held is not None and held() is tensor
+        return held is not None and held[0]() is tensor
 
 
 class UnsafeOpDetector(LibraryUse):
@@ -286,7 +288,9 @@ class UnsafeOpDetector(LibraryUse):
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> Any:
         super().before(func, args, kwargs, tensors)
         if func is _LIFT_FRESH:
-            return True  # its result: a number made into a CPU tensor (``after``)
+            # Its result: a number made into a CPU tensor (``after``), if its memory is new
+            # (not a numpy array's, torch.as_tensor(array): the caller's, read by address).
+            return True if all(made_of_python_values(t) for t in tensors) else None
         # Such a number computed with (x * torch.tensor(scale)) or read back (torch.compile's
         # code does so with a float argument) is no CPU work: the graph freezes Python's
         # value, as it freezes any Python number the call computes with (the key and the

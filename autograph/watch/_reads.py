@@ -40,6 +40,15 @@ def storage_ptr(t: Tensor) -> int:
         return 0
 
 
+def made_of_python_values(t: Tensor) -> bool:
+    """Whether ``t``, given to ``aten.lift_fresh``, is memory torch.tensor(...) has just made
+    of Python values: not a numpy array's (``torch.as_tensor(array)``, ``torch.from_numpy``),
+    whose memory is the caller's (not resizable), nor pinned (a copy from pinned memory to the
+    GPU is captured reading it by address)."""
+    storage = t.untyped_storage()
+    return storage.resizable() and not t.is_pinned()
+
+
 _aten = torch.ops.aten
 _LIFT_FRESH = _aten.lift_fresh.default
 # In training mode these update running_mean and running_var in place, although their schemas
@@ -125,9 +134,8 @@ class CallWatch(Observer):
         if func is _LIFT_FRESH:
             # torch.tensor(2.0) in the run: made of Python values outside the dispatcher, it
             # first reaches a mode here. The run made it (its value is the call's Python, which
-            # the key and the values read cover); a graph reads no state by its address. Not a
-            # pinned one: a copy from it to the GPU is captured, reading its memory by address.
-            self.known.update(storage_ptr(t) for t in tensors if not t.is_pinned())
+            # the key and the values read cover); a graph reads no state by its address.
+            self.known.update(storage_ptr(t) for t in tensors if made_of_python_values(t))
         for t in tensors:
             ptr = storage_ptr(t)
             if ptr not in self.known:

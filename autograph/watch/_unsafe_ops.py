@@ -203,9 +203,12 @@ def unsafe_op(
         return None
     if device_type != "cpu" and traits.cpu_checked:
         on_the_cpu = [t for t in tensors_in(args) if t.device.type == "cpu"]
-        if on_the_cpu and traits.index == "index_put":
-            # Its value copied to the GPU inside the op, whatever made it (x[i] = 7.0).
-            return _number_assigned(args, kwargs) or (CPU_OPERATION, CPU_CONSEQUENCE)
+        if on_the_cpu and traits.index is not None:
+            # Indices and values copied to the GPU inside the op, whatever made them
+            # (x[i] = 7.0, x[torch.tensor(1)]): no Python number is taken as such there.
+            if traits.index == "index_put":
+                return _number_assigned(args, kwargs) or (CPU_OPERATION, CPU_CONSEQUENCE)
+            return CPU_OPERATION, CPU_CONSEQUENCE
         if any(t not in numbers for t in on_the_cpu):
             return CPU_OPERATION, CPU_CONSEQUENCE
     name = traits.name

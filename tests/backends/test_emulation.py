@@ -452,3 +452,36 @@ def test_a_generator_not_registered_with_the_capture_is_refused_as_cuda_refuses_
     result = CPU.capture(lambda: random_step(x, generator), -1, CPU.new_pool(-1))
     assert isinstance(result.error, RuntimeError)
     assert "unregistered CUDA generator" in str(result.error)
+
+
+def test_capturing_said_in_overlapping_threads_holds_in_each_and_is_undone_after():
+    # Two blocks overlapping in two threads (a buckets fake run and an emulated recording):
+    # the first to leave took the patch away from the other, and the last left a wrapper.
+    import threading
+
+    from autograph.backends._as_if_capturing import as_if_capturing
+
+    original = torch.cuda.is_current_stream_capturing
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def first():
+        with as_if_capturing():
+            first_in.set()
+            second_in.wait()
+        first_out.set()
+
+    def second():
+        first_in.wait()
+        with as_if_capturing():
+            second_in.set()
+            first_out.wait()
+            seen.append(torch.cuda.is_current_stream_capturing())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == [True]
+    assert torch.cuda.is_current_stream_capturing is original

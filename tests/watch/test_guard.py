@@ -1,9 +1,13 @@
 """The guard's detection on CPU tensors (the CPU emulation graphs "cpu" work)."""
 
+import numpy as np
 import pytest
 import torch
 
+import autograph
 from autograph.watch._guard import Finding, GuardError, UnsafeOpDetector, classify_capture_error
+
+from conftest import autograph_warnings, states
 
 
 def observe(fn, *args):
@@ -159,6 +163,50 @@ def test_python_numbers_made_into_cpu_scalars_are_not_cpu_work():
     with pytest.raises(GuardError, match="a copy from pageable host memory"):
         with UnsafeOpDetector("cuda", raise_on_unsafe=True):
             torch.ops.aten._to_copy.default(torch.tensor([2.0]), device=torch.device("cuda"))
+
+
+def _not_numbers():
+    """CPU scalars that hold no Python number of the run's: a numpy array's memory (the
+    caller's), and a number that state was written into through a view."""
+    array, state = np.array(5.0), torch.tensor(5.0)
+
+    def written_through_a_view():
+        number = torch.tensor(0.0)
+        number.view(1).copy_(state.view(1))
+        return number
+
+    return [
+        lambda: torch.as_tensor(array),
+        lambda: torch.from_numpy(array),
+        lambda: torch.tensor(array),
+        lambda: torch.as_tensor(state.numpy()),
+        written_through_a_view,
+        lambda: torch.tensor(0.0).detach().copy_(state),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_cpu_scalars_of_the_callers_memory_or_state_are_cpu_work(index):
+    x = torch.ones(3, device="meta")  # stands for a GPU tensor
+    with UnsafeOpDetector("meta", raise_on_unsafe=False) as detector:
+        x * _not_numbers()[index]()
+    assert detector.finding is not None
+    assert detector.finding.operation == "computing with a CPU tensor"
+
+
+def test_a_numpy_scalar_the_caller_changes_is_read_again(device, caught):
+    array = np.array(5.0)
+
+    @autograph.graphed
+    def scaled(x):
+        return x * (torch.from_numpy(array) * 1).item()
+
+    x = torch.ones(2, device=device)
+    for value in (5.0, 6.0, 7.0, 8.0, 9.0):
+        array[...] = value
+        torch.testing.assert_close(scaled(x), x * value)
+    assert states(scaled)[0][0] == "eager"  # a host read of the caller's memory
+    assert any(".item()" in m for m in autograph_warnings(caught))
 
 
 def observe_free(fn):
