@@ -240,6 +240,21 @@ def state_written(c: Any, watch: Any) -> List[Tensor]:
     ]
 
 
+def _state_the_graph_writes(life: Any, graph: Any) -> List[Tensor]:
+    """The state a replay of ``graph`` writes by address: what the watched warmup saw written,
+    and what the capture did that the warmup made itself (a cache's lazily made tensors:
+    transformers' StaticCache moves its write position to the GPU at its first update), so
+    that the probe of pad rows puts all of it back. Kept with the key: the capture's watch is
+    gone by the first replay at another row count."""
+    seen = {storage_ptr(t) for t in life.state_written}
+    life.state_written = life.state_written + [
+        t
+        for ptr, t in graph.watched_external().items()
+        if ptr in graph.written_storages and ptr not in seen
+    ]
+    return life.state_written
+
+
 def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
     """The capture call's own replay of ``graph``: (outputs, whether the graph is kept). For a
     bucket, the captured output shapes and Python numbers are checked first, a replay with pad
@@ -377,7 +392,8 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
         graph.inputs.copy_in(c.tensors, rows)
     statics = graph.inputs.statics
     padded = [(statics[i], spec[0]) for i, spec in enumerate(padding.dims) if spec is not None]
-    written = [statics[i] for i in graph.mutated] + life.state_written
+    state = _state_the_graph_writes(life, graph)
+    written = [statics[i] for i in graph.mutated] + state
     before = SavedState([s for s, _ in padded] + written)
     callers = SavedState([c.tensors[i] for i in graph.mutated])  # written back by the replay
     life.replays += 1
@@ -390,7 +406,7 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
         return plan.owned
 
     arguments = {id(c.tensors[i]) for i in c.addressed}
-    shared = [t for t in life.state_written if id(t) not in arguments]
+    shared = [t for t in state if id(t) not in arguments]
     finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before, shared)
     if finding is None:
         return outputs, True

@@ -437,6 +437,43 @@ def test_the_fake_run_takes_the_captures_path_through_capture_aware_code(device)
     assert states(step) == [("graphed", 3, 1, 2)]
 
 
+class LazyCache:
+    """Per-bucket state whose write position its first call makes anew, as transformers 5.17's
+    StaticCache moves its own to the GPU (``cumulative_length.to(device)``) at its first
+    update: made inside the run that watched what the function writes."""
+
+    def __init__(self, rows, device):
+        self.kv = torch.zeros(rows, 8, 6, device=device)
+        self.pos = torch.zeros((), dtype=torch.long)
+        self.device = device
+
+    def update(self, x):
+        if self.pos.device != self.kv.device or not hasattr(self, "ready"):
+            self.pos, self.ready = self.pos.to(self.device).clone(), True
+        self.kv.index_copy_(1, self.pos.view(1), x.unsqueeze(1))
+        self.pos.add_(1)
+        return self.kv.sum(1) * self.pos
+
+
+def test_state_made_by_the_first_run_is_restored_when_pad_rows_are_probed(device):
+    # The probe of pad rows replays twice from the same state: the position made in the first
+    # (watched) run was not put back, the second replay wrote one place on, and the key went
+    # eager with "it mixes rows of the batch" (seen on the H200 with HF Llama).
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def step(x, cache):
+        return cache.update(x)
+
+    cache, expected = LazyCache(4, device), LazyCache(4, device)
+    for rows in (3, 3, 3, 3, 2, 2):  # a new row count probes its pad rows again
+        cache.kv.zero_(), expected.kv.zero_()
+        if hasattr(cache, "ready"):
+            cache.pos.zero_(), expected.pos.zero_()
+        x = torch.randn(rows, 6, device=device)
+        want = expected.update(torch.cat([x, x.new_zeros(4 - rows, 6)]))[:rows]
+        torch.testing.assert_close(step(x, cache), want)
+    assert states(step) == [("graphed", 6, 1, 5)]
+
+
 def test_per_bucket_state_whose_dims_no_run_can_tell_raises_naming_the_fixes(device):
     # A real tensor's size (4, the bucket's) meets the batch in Python: the fake run's batch
     # is specialised to 4, which shows nothing about other sizes.
