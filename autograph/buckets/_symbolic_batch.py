@@ -186,11 +186,14 @@ class _SwappedTensors:
     """The tensors the arguments hold, as fakes: those the arguments' objects hold (a
     StaticCache's layers' keys and values) swapped in their places while the function runs,
     since Python code reads their sizes (HF's ``repeat_kv``), and a real size there would tie
-    the batch to the bucket's."""
+    the batch to the bucket's. Their places: list items, dict values, attributes (``__dict__``
+    or ``__slots__``), and tuples of tensors in any of those (rebuilt, as tuples are
+    immutable)."""
 
     def __init__(self, fakes: _Fakes):
         self.fakes = fakes
         self.containers: List[Any] = []  # where fakes were put, to put the reals back
+        self.tuples: List[Tuple[Any, Any, tuple, tuple]] = []  # (container, key, real, fake)
         self.seen: Set[int] = set()
 
     def held(self, tensor: Tensor) -> Tensor:
@@ -210,13 +213,32 @@ class _SwappedTensors:
                 if not isinstance(item, torch.nn.Parameter):
                     container[key] = self.held(item)
                     swapped = True
+            elif type(item) in (tuple, list) or _is_namedtuple(item):
+                self._walk_sequence(container, key, item, depth)
             else:
                 self.walk(item, depth - 1)
         if swapped:
             self.containers.append(container)
 
+    def _walk_sequence(self, container: Any, key: Any, item: Any, depth: int) -> None:
+        if isinstance(item, list):
+            self.walk(item, depth - 1)
+            return
+        fakes = tuple(
+            self.held(t) if isinstance(t, Tensor) and not isinstance(t, torch.nn.Parameter) else t
+            for t in item
+        )
+        for part in item:
+            if not isinstance(part, Tensor):
+                self.walk(part, depth - 1)
+        if any(f is not r for f, r in zip(fakes, item)):
+            fake = type(item)(*fakes) if _is_namedtuple(item) else fakes
+            container[key] = fake
+            self.tuples.append((container, key, item, fake))
+
     def restore(self) -> None:
-        """Every fake put back as its real tensor, wherever the run moved it in its container."""
+        """Every fake put back as its real tensor, wherever the run moved it in its container;
+        a tuple rebuilt with fakes, as it was (or, rebound by the run, rebuilt with reals)."""
         reals = self.fakes.reals
         for container in self.containers:
             places = range(len(container)) if isinstance(container, list) else list(container)
@@ -224,17 +246,62 @@ class _SwappedTensors:
                 real = reals.get(id(container[key]))
                 if real is not None:
                     container[key] = real
+        for container, key, real, fake in reversed(self.tuples):
+            now = container[key]
+            if now is fake:
+                container[key] = real
+            elif isinstance(now, tuple) and any(id(part) in reals for part in now):
+                parts = [reals.get(id(part), part) for part in now]
+                container[key] = type(now)(*parts) if _is_namedtuple(now) else tuple(parts)
         self.containers.clear()
+        self.tuples.clear()
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _slot_names(cls: type) -> Tuple[str, ...]:
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+class _Slots:
+    """An object's ``__slots__`` as a container: its set slots by name."""
+
+    def __init__(self, owner: Any, names: List[str]):
+        self.owner, self.names = owner, names
+
+    def items(self) -> List[Tuple[str, Any]]:
+        return [(name, getattr(self.owner, name)) for name in self.names]
+
+    def __iter__(self) -> Any:
+        return iter(self.names)
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self.owner, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        setattr(self.owner, name, value)
 
 
 def _container(value: Any) -> Any:
-    """Where ``value`` keeps what it holds: itself (a list, a dict), its ``__dict__``, or None."""
+    """Where ``value`` keeps what it holds: itself (a list, a dict), its ``__dict__``, its
+    ``__slots__``, or None."""
     if isinstance(value, (list, dict)):
         return value
+    if isinstance(value, type):
+        return None
     attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict) and not isinstance(value, type):
+    if isinstance(attributes, dict):
         return attributes
-    return None
+    names = [
+        name
+        for cls in type(value).__mro__
+        for name in _slot_names(cls)
+        if name not in ("__dict__", "__weakref__") and hasattr(value, name)
+    ]
+    return _Slots(value, names) if names else None
 
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None), Tensor, torch.nn.Module)

@@ -475,6 +475,51 @@ def test_state_made_by_the_first_run_is_restored_when_pad_rows_are_probed(device
     assert states(step) == [("graphed", 6, 1, 5)]
 
 
+class SlotsCache:
+    __slots__ = ("kv", "pos")
+
+    def __init__(self, rows, device):
+        self.kv = torch.zeros(rows, 8, 6, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+
+
+class TupleCache:
+    def __init__(self, rows, device):
+        self.parts = (torch.zeros(rows, 8, 6, device=device), torch.zeros((), device=device))
+
+
+def _slots_step(x, cache):
+    cache.kv[:, 1] += x  # (index_copy_ ties no sizes in the fake run before torch 2.13)
+    cache.pos.add_(1)
+    return cache.kv.sum(1) * cache.pos
+
+
+def _tuple_step(x, cache):
+    kv, count = cache.parts
+    kv[:, 0] += x
+    count.add_(1)
+    return kv.sum(1) * count
+
+
+@pytest.mark.parametrize("step, cache_type", [(_slots_step, SlotsCache), (_tuple_step, TupleCache)])
+def test_state_held_in_slots_or_tuples_decides_its_output_dims_at_the_first_call(
+    device, step, cache_type
+):
+    # The fake run swapped fakes into __dict__ entries, lists and dicts only: a cache held in
+    # __slots__ or a tuple stayed real, its rows the bucket's, and the first call of 3 rows
+    # raised "its outputs cannot be sliced back to 3 rows".
+    graphed = autograph.graphed(step, buckets=[4], static_argnames=("cache",))
+    cache, expected = cache_type(4, device), cache_type(4, device)
+    held = [getattr(cache, n) for n in ("kv", "pos", "parts") if hasattr(cache, n)]
+    for _ in range(4):
+        x = torch.randn(3, 6, device=device)
+        want = step(torch.cat([x, x.new_zeros(1, 6)]), expected)[:3]
+        torch.testing.assert_close(graphed(x, cache), want)
+    after = [getattr(cache, n) for n in ("kv", "pos", "parts") if hasattr(cache, n)]
+    assert all(a is b for a, b in zip(after, held))  # the fake run put back what it swapped
+    assert states(graphed) == [("graphed", 4, 1, 3)]
+
+
 def test_per_bucket_state_whose_dims_no_run_can_tell_raises_naming_the_fixes(device):
     # A real tensor's size (4, the bucket's) meets the batch in Python: the fake run's batch
     # is specialised to 4, which shows nothing about other sizes.
