@@ -209,25 +209,18 @@ class _SwappedTensors:
         items = list(enumerate(container) if isinstance(container, list) else container.items())
         swapped = False
         for key, item in items:
-            if isinstance(item, Tensor):
-                if not isinstance(item, torch.nn.Parameter):
-                    container[key] = self.held(item)
-                    swapped = True
-            elif type(item) in (tuple, list) or _is_namedtuple(item):
-                self._walk_sequence(container, key, item, depth)
-            else:
+            if _swappable(item):
+                container[key] = self.held(item)
+                swapped = True
+            elif type(item) is tuple or _is_namedtuple(item):
+                self._walk_tuple(container, key, item, depth)
+            elif not isinstance(item, Tensor):  # (a parameter stays real)
                 self.walk(item, depth - 1)
         if swapped:
             self.containers.append(container)
 
-    def _walk_sequence(self, container: Any, key: Any, item: Any, depth: int) -> None:
-        if isinstance(item, list):
-            self.walk(item, depth - 1)
-            return
-        fakes = tuple(
-            self.held(t) if isinstance(t, Tensor) and not isinstance(t, torch.nn.Parameter) else t
-            for t in item
-        )
+    def _walk_tuple(self, container: Any, key: Any, item: tuple, depth: int) -> None:
+        fakes = tuple(self.held(part) if _swappable(part) else part for part in item)
         for part in item:
             if not isinstance(part, Tensor):
                 self.walk(part, depth - 1)
@@ -255,6 +248,10 @@ class _SwappedTensors:
                 container[key] = type(now)(*parts) if _is_namedtuple(now) else tuple(parts)
         self.containers.clear()
         self.tuples.clear()
+
+
+def _swappable(value: Any) -> bool:
+    return isinstance(value, Tensor) and not isinstance(value, torch.nn.Parameter)
 
 
 def _is_namedtuple(value: Any) -> bool:

@@ -38,7 +38,7 @@ import sys
 import traceback
 import weakref
 from types import FrameType, TracebackType
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,7 +47,7 @@ from ._host_calls import RESEEDS as _RESEEDS
 from ._host_calls import SYNC_CONSEQUENCE as _SYNC_CONSEQUENCE
 from ._host_calls import watch_host_calls
 from ._modes import BOTH, Observer, tensors_in
-from ._reads import made_of_python_values, storage_ptr, written_tensors
+from ._reads import LIFT_FRESH, made_of_python_values, storage_ptr, written_tensors
 from ._unsafe_ops import CPU_OPERATION, TRAITS, judged_apart, traits_of, unsafe_op
 
 _OPTIM_DIR = os.path.join(os.path.dirname(torch.__file__), "optim") + os.sep
@@ -218,9 +218,6 @@ class LibraryUse(Observer):
             self.generators.append(generator)
 
 
-_LIFT_FRESH = torch.ops.aten.lift_fresh.default
-
-
 class PythonNumbers:
     """CPU scalars holding Python numbers, by identity (a set would compare tensors by value),
     held weakly, with their storages: a write through any view of one (``n.view(1).copy_(s)``)
@@ -287,7 +284,7 @@ class UnsafeOpDetector(LibraryUse):
 
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[torch.Tensor]) -> Any:
         super().before(func, args, kwargs, tensors)
-        if func is _LIFT_FRESH:
+        if func is LIFT_FRESH:
             # Its result: a number made into a CPU tensor (``after``), if its memory is new
             # (not a numpy array's, torch.as_tensor(array): the caller's, read by address).
             return True if all(made_of_python_values(t) for t in tensors) else None
@@ -296,9 +293,9 @@ class UnsafeOpDetector(LibraryUse):
         # value, as it freezes any Python number the call computes with (the key and the
         # values read cover them). Not one written in place: a count kept from the run
         # (an optimizer's first step makes its step count so, then adds 1 to it) is state.
-        numbers = self.constants
-        if numbers and self.constants.discard_written(written_tensors(func, args, kwargs)):
-            numbers = PythonNumbers()
+        numbers: Container[torch.Tensor] = self.constants
+        if self.constants and self.constants.discard_written(written_tensors(func, args, kwargs)):
+            numbers = ()
         unsafe = unsafe_op(func, args, kwargs, self.device_type, tensors, numbers)
         if unsafe is not None:
             self.report(*unsafe, sys._getframe(1))

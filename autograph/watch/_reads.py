@@ -50,7 +50,8 @@ def made_of_python_values(t: Tensor) -> bool:
 
 
 _aten = torch.ops.aten
-_LIFT_FRESH = _aten.lift_fresh.default
+# torch.tensor(...)'s op: it hands the dispatcher memory made of Python values (or a numpy array's)
+LIFT_FRESH = _aten.lift_fresh.default
 # In training mode these update running_mean and running_var in place, although their schemas
 # do not mark them as written (those of _native_batch_norm_legit and _batch_norm_with_update
 # do), by the name of the argument that says training. The composite ones reach a dispatch
@@ -131,7 +132,7 @@ class CallWatch(Observer):
         self.external: Dict[int, Tensor] = {}
 
     def before(self, func: Any, args: tuple, kwargs: dict, tensors: Sequence[Tensor]) -> bool:
-        if func is _LIFT_FRESH:
+        if func is LIFT_FRESH:
             # torch.tensor(2.0) in the run: made of Python values outside the dispatcher, it
             # first reaches a mode here. The run made it (its value is the call's Python, which
             # the key and the values read cover); a graph reads no state by its address.
