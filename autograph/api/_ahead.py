@@ -35,7 +35,6 @@ from ..engine._key_cache import KeyCache
 from ..engine._key_life import CAPTURE, EAGER, GRAPHED, WARMUP, Call, KeyLife
 from ..policy._memory_budget import within_budget
 from ..watch._python_state import PythonState, per_call_reason
-from ..watch._reads import storage_ptr
 from ..watch._undo import UndoWrites
 from ._per_bucket import check_markers, for_bucket
 from ._progress import progress
@@ -207,14 +206,11 @@ def _plain_warmup(life: KeyLife, c: Call, like: KeyLife) -> None:
 
 def _learn_from_capture(life: KeyLife, c: Call, graph: Graph) -> None:
     """What an unwatched warmup did not note, from the capture's own watch of the same ops at
-    the same size: the arguments and the state it writes, the state it uses by address."""
+    the same size: the arguments it writes, the state it uses by address (the state it writes
+    the capture noted, ``learn_state_written``)."""
     life.written = list(graph.mutated)
     external = graph.watched_external()
     life.by_address = {ptr: weakref.ref(t.untyped_storage()) for ptr, t in external.items()}
-    written = graph.written_storages
-    life.state_written = [
-        c.tensors[i] for i in c.addressed if storage_ptr(c.tensors[i]) in written
-    ] + [t for ptr, t in external.items() if ptr in written]
 
 
 def _refuse_graph(life: KeyLife, changes: List[str], made: List[str]) -> None:

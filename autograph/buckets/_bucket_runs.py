@@ -240,19 +240,17 @@ def state_written(c: Any, watch: Any) -> List[Tensor]:
     ]
 
 
-def _state_the_graph_writes(life: Any, graph: Any) -> List[Tensor]:
-    """The state a replay of ``graph`` writes by address: what the watched warmup saw written,
-    and what the capture did that the warmup made itself (a cache's lazily made tensors:
-    transformers' StaticCache moves its write position to the GPU at its first update), so
-    that the probe of pad rows puts all of it back. Kept with the key: the capture's watch is
-    gone by the first replay at another row count."""
+def learn_state_written(life: Any, c: Any, graph: Any) -> None:
+    """Add to what ``life``'s runs write by address (``state_written``) what its capture of
+    ``graph`` wrote, before the graph's watch forgets it: state its watched warmup made itself
+    (transformers' StaticCache moves its write position to the GPU at its first update), and
+    all of it where the last warmup ran unwatched (a later bucket of a family in
+    ``capture()``). The pad-row probe puts it back before its second replay."""
+    written = graph.written_storages
+    captured = [c.tensors[i] for i in c.addressed if storage_ptr(c.tensors[i]) in written]
+    captured += [t for ptr, t in graph.watched_external().items() if ptr in written]
     seen = {storage_ptr(t) for t in life.state_written}
-    life.state_written = life.state_written + [
-        t
-        for ptr, t in graph.watched_external().items()
-        if ptr in graph.written_storages and ptr not in seen
-    ]
-    return life.state_written
+    life.state_written = life.state_written + [t for t in captured if storage_ptr(t) not in seen]
 
 
 def capture_replay(life: Any, c: Any, graph: Any) -> Tuple[Any, bool]:
@@ -392,8 +390,7 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
         graph.inputs.copy_in(c.tensors, rows)
     statics = graph.inputs.statics
     padded = [(statics[i], spec[0]) for i, spec in enumerate(padding.dims) if spec is not None]
-    state = _state_the_graph_writes(life, graph)
-    written = [statics[i] for i in graph.mutated] + state
+    written = [statics[i] for i in graph.mutated] + life.state_written
     before = SavedState([s for s, _ in padded] + written)
     callers = SavedState([c.tensors[i] for i in graph.mutated])  # written back by the replay
     life.replays += 1
@@ -406,7 +403,7 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
         return plan.owned
 
     arguments = {id(c.tensors[i]) for i in c.addressed}
-    shared = [t for t in state if id(t) not in arguments]
+    shared = [t for t in life.state_written if id(t) not in arguments]
     finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before, shared)
     if finding is None:
         return outputs, True

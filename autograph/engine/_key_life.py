@@ -33,6 +33,7 @@ from ..buckets._bucket_runs import (
     capture_call,
     capture_replay,
     first_padded_replay,
+    learn_state_written,
     run_call,
     slices_unknown,
     state_written,
@@ -466,6 +467,8 @@ class KeyLife:
                 graph.release()
             self.fall_back(failure)
             return None
+        if c.padding is not None and graph is not None:
+            learn_state_written(self, c, graph)
         return graph
 
     # ---- eager for good ----
