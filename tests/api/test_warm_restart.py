@@ -15,21 +15,23 @@ import torch
 
 import autograph
 
+from conftest import requires_cuda
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Run twice, in two fresh processes: "save" makes real calls and saves the plans, "restart"
 # builds the same functions, captures from the plans, and makes its first real calls.
 SCRIPT = textwrap.dedent(
     """
-    import dataclasses, json, sys
+    import contextlib, dataclasses, json, sys
     import torch
     import autograph
     from autograph.testing import emulate_graphs_on_cpu
 
-    phase, folder = sys.argv[1], sys.argv[2]
+    phase, folder, device = sys.argv[1], sys.argv[2], sys.argv[3]
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
-    w = torch.randn(8, 8)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()).to(device)
+    w = torch.randn(8, 8, device=device)
 
     def decode(x, cache):  # one cache per bucket, used by address
         cache.add_(x)
@@ -41,21 +43,22 @@ SCRIPT = textwrap.dedent(
     def scale(x, w, k=2.0):
         return (x @ w) * k
 
-    head = autograph.graphed(torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Dropout(0.5)))
-    caches = {b: torch.zeros(b, 8) for b in (2, 4, 8)}
+    head = torch.nn.Sequential(torch.nn.Linear(8, 3), torch.nn.Dropout(0.5)).to(device)
+    head = autograph.graphed(head)
+    caches = {b: torch.zeros(b, 8, device=device) for b in (2, 4, 8)}
 
     def rows(fn):
         return [dataclasses.asdict(r) for r in autograph.stats(fn)]
 
-    with emulate_graphs_on_cpu():
+    with emulate_graphs_on_cpu() if device == "cpu" else contextlib.nullcontext():
         if phase == "save":
             head.eval()
             with torch.inference_mode():
                 for _ in range(3):
-                    step(torch.randn(3, 8), caches[4])
-                    step(torch.randn(2, 8), caches[2])
-                    scale(torch.randn(5, 8), w, k=3.0)
-                    head(torch.randn(4, 8))
+                    step(torch.randn(3, 8, device=device), caches[4])
+                    step(torch.randn(2, 8, device=device), caches[2])
+                    scale(torch.randn(5, 8, device=device), w, k=3.0)
+                    head(torch.randn(4, 8, device=device))
             saved = [
                 step.save_plan(folder + "/step.json"),
                 scale.save_plan(folder + "/scale.json"),
@@ -72,7 +75,9 @@ SCRIPT = textwrap.dedent(
         out["before"] = rows(step) + rows(scale) + rows(head)
         head.eval()
         with torch.inference_mode():
-            x, y, z = torch.randn(3, 8), torch.randn(5, 8), torch.randn(4, 8)
+            x = torch.randn(3, 8, device=device)
+            y = torch.randn(5, 8, device=device)
+            z = torch.randn(4, 8, device=device)
             cache = caches[4].clone()
             padded = torch.cat([x, x.new_zeros(1, 8)])
             expected = (model(padded) + cache.add_(padded))[:3]
@@ -87,10 +92,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(script, phase, folder):
+def _run(script, phase, folder, device):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOGRAPH_LOG": ""}
     done = subprocess.run(
-        [sys.executable, str(script), phase, str(folder)],
+        [sys.executable, str(script), phase, str(folder), device],
         env=env,
         capture_output=True,
         text=True,
@@ -100,14 +105,18 @@ def _run(script, phase, folder):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_a_plan_saved_in_one_process_makes_a_fresh_process_first_call_a_replay(tmp_path):
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
+)
+def test_a_plan_saved_in_one_process_makes_a_fresh_process_first_call_a_replay(tmp_path, device):
+    """On CPU through the emulation, on the GPU with real graphs: each in two fresh processes."""
     script = tmp_path / "serve.py"
     script.write_text(SCRIPT)
-    saved = _run(script, "save", tmp_path)
+    saved = _run(script, "save", tmp_path, device)
     assert saved["saved"] == [2, 1, 1]  # buckets 4 and 2 of step; scale; the head
     assert all(r["state"] == "graphed" and r["eager_calls"] == 1 for r in saved["stats"])
 
-    restarted = _run(script, "restart", tmp_path)
+    restarted = _run(script, "restart", tmp_path, device)
     assert restarted["captured"] == ["graphed"] * 4
     assert restarted["head_trains"] is True  # its training flag put back after capture
     # Captured ahead, not called: no key has run yet.
@@ -123,6 +132,58 @@ def test_a_plan_saved_in_one_process_makes_a_fresh_process_first_call_a_replay(t
     assert first["decode"]["bucket"] == 4
     assert restarted["step_equal"] and restarted["cache_equal"]
     assert restarted["scale_equal"] and restarted["head_equal"]
+
+
+# A training step's key: its plan is saved after real steps, and a new process's first step
+# (forward and backward) replays and gives eager's gradients.
+TRAINING_SCRIPT = textwrap.dedent(
+    """
+    import contextlib, json, sys
+    import torch
+    import autograph
+    from autograph.testing import emulate_graphs_on_cpu
+
+    phase, folder, device = sys.argv[1], sys.argv[2], sys.argv[3]
+    torch.manual_seed(0)
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model, reference = mlp().to(device), mlp().to(device)
+    reference.load_state_dict(model.state_dict())
+    trained = autograph.graphed(model)
+
+    def rows():
+        return [(r.state, r.calls, r.eager_calls, r.replays) for r in autograph.stats(trained)]
+
+    with emulate_graphs_on_cpu() if device == "cpu" else contextlib.nullcontext():
+        if phase == "save":
+            for _ in range(3):
+                trained(torch.randn(4, 8, device=device)).sum().backward()
+            print(json.dumps({"saved": trained.forward.save_plan(folder + "/t.json")}))
+            sys.exit()
+        captured = [r.state for r in trained.forward.capture(plan=folder + "/t.json")]
+        before = rows()
+        x = torch.randn(4, 8, device=device)
+        trained(x).sum().backward()
+        reference(x).sum().backward()
+        grads = zip(model.parameters(), reference.parameters())
+        equal = all(torch.allclose(a.grad, b.grad) for a, b in grads)
+        print(json.dumps({"captured": captured, "before": before, "after": rows(), "equal": equal}))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
+)
+def test_a_training_plan_makes_a_fresh_process_first_step_a_replay(tmp_path, device):
+    script = tmp_path / "train.py"
+    script.write_text(TRAINING_SCRIPT)
+    assert _run(script, "save", tmp_path, device) == {"saved": 1}
+    restarted = _run(script, "restart", tmp_path, device)
+    assert restarted["captured"] == ["graphed"]
+    assert restarted["before"] == [["graphed", 0, 0, 0]]
+    assert restarted["after"] == [["graphed", 1, 0, 1]]
+    assert restarted["equal"]
 
 
 def _saved_plan(tmp_path, **options):

@@ -75,12 +75,6 @@ def test_seeded_sampling_draws_transformers_tokens_on_cuda(kind):
         assert torch.equal(got, expected), (seed, got, expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on the H200 with transformers 5.17 a logits processor "
-    "of the sampled step computes with a CPU tensor (logits_process.py:534), so "
-    "the guard runs the sampled decode step eagerly; greedy steps are graphed",
-)
 @pytest.mark.parametrize("kind", ["llama"])
 def test_the_sampled_decode_step_is_graphed_on_cuda(kind):
     transformers, config, model = on_cuda(kind, torch.float32)
