@@ -44,6 +44,13 @@ WINDOW = 16
 # Keys in a row whose identity-keyed object died before they replayed: two are a pattern (a new
 # object per call), and a third new key then passes through.
 ORPHANS = 2
+# New keys in a row, each one element longer than the last along one dim of one argument
+# while another tensor argument keeps its shape (HF generate() with a DynamicCache and its
+# attention mask of length n, n+1, n+2 while input_ids stays [B, 1]): such a family never
+# repeats within a sequence, so after 3 of its keys (2 steps of growth) calls pass through,
+# instead of watching 16 of them op by op. A server's sweep over batch sizes 1, 2, 3 changes
+# every batched argument at once, so it is not taken for one.
+GROWTH = 2
 # Calls passed through before the first look; each look that meets a new key doubles it.
 FIRST_PASS = 16
 LONGEST_PASS = 1024
@@ -56,11 +63,13 @@ class Churn:
         "function",
         "window",
         "orphans",
+        "growth",
         "first",
         "longest",
         "left",
         "length",
         "streak",
+        "growing",
         "died_unused",
         "replays_seen",
         "passed",
@@ -77,12 +86,15 @@ class Churn:
         first: int = FIRST_PASS,
         longest: int = LONGEST_PASS,
         orphans: int = ORPHANS,
+        growth: int = GROWTH,
     ):
         self.function = function
         self.window, self.orphans, self.first, self.longest = window, orphans, first, longest
+        self.growth = growth
         self.left = 0  # calls still to pass through: the engine's hot-path test
         self.length = 0  # the current (or last) pass-through's length; 0: never passed
         self.streak = 0  # new keys since a graph last replayed
+        self.growing = 0  # of those, the last ones in a row that grew by one (``_grows``)
         self.died_unused = 0  # of those, keys whose identity-keyed object died first
         self.replays_seen = 0  # replays of graphed keys, summed when the last key was made
         self.passed = 0  # calls passed through in finished pass-throughs
@@ -102,11 +114,20 @@ class Churn:
             self.replays_seen = replays
             self._paid()
         self.streak += 1
+        # After a pass-through that growth started, the calls passed through grew the key
+        # unseen: the first key of the look may be longer by more than one.
+        after_growth = self.growing >= self.growth
+        grows = _grows(self.last_parts, parts, any_step=after_growth)
+        self.growing = self.growing + 1 if grows else 0
         change = _what_changed(self.last_parts, parts)
         if change:
             self.last_change, self.numbers = change, _changed_numbers(self.last_parts, parts)
         self.last_parts = parts
-        if self.streak < self.window and self.died_unused < self.orphans:
+        if (
+            self.streak < self.window
+            and self.died_unused < self.orphans
+            and self.growing < self.growth
+        ):
             return False
         self.passed = self.calls_passed()
         if self.length:
@@ -133,7 +154,7 @@ class Churn:
         kept for the report), at once if it was still passing calls through (a key that
         replayed died meanwhile)."""
         self.passed, self.left = self.calls_passed(), 0
-        self.streak = self.died_unused = self.length = 0
+        self.streak = self.growing = self.died_unused = self.length = 0
 
     def calls_passed(self) -> int:
         return self.passed + self.length - max(self.left, 0)
@@ -218,7 +239,8 @@ class Churn:
         )
 
     def reset(self) -> None:
-        self.left = self.length = self.streak = self.died_unused = self.replays_seen = 0
+        self.left = self.length = self.streak = self.growing = self.died_unused = 0
+        self.replays_seen = 0
         self.passed = self.looks = 0
         self.last_parts, self.last_change, self.numbers = (), None, []
 
@@ -228,6 +250,37 @@ def _what_changed(before: Sequence[str], after: Sequence[str]) -> str:
         return ""
     changes: List[str] = [f"{b} became {a}" for b, a in zip(before, after) if b != a]
     return "; ".join(changes[:3])
+
+
+# A key's part for a tensor argument: ``name: dtype[sizes] device...`` (watch/_names.py).
+_TENSOR = re.compile(r"^(.+?): (\w+)\[([\d, ]*)\](.*)$")
+
+
+def _grows(before: Sequence[str], after: Sequence[str], any_step: bool = False) -> bool:
+    """Whether the key ``after`` is the key ``before`` with one tensor argument one element
+    longer along one dim (``any_step``: longer), and every other part the same (a tensor
+    argument among them).
+
+    >>> _grows(["ids: i64[1, 1] cuda:0", "mask: i64[1, 9] cuda:0"],
+    ...        ["ids: i64[1, 1] cuda:0", "mask: i64[1, 10] cuda:0"])
+    True
+    """
+    if not before or len(before) != len(after):
+        return False
+    changed = [(b, a) for b, a in zip(before, after) if b != a]
+    kept_a_tensor = any(_TENSOR.match(b) for b, a in zip(before, after) if b == a)
+    if len(changed) != 1 or not kept_a_tensor:
+        return False
+    old, new = (_TENSOR.match(part) for part in changed[0])
+    if old is None or new is None or old.group(1, 2, 4) != new.group(1, 2, 4):
+        return False
+    old_sizes, new_sizes = (
+        [int(n) for n in m.group(3).split(",") if n.strip()] for m in (old, new)
+    )
+    if len(old_sizes) != len(new_sizes):
+        return False
+    steps = [n - o for o, n in zip(old_sizes, new_sizes) if n != o]
+    return steps == [1] or any_step and len(steps) == 1 and steps[0] > 0
 
 
 # A key's part for a Python number argument: ``name=repr(value)`` (capture/_keys.py).

@@ -175,3 +175,45 @@ def test_a_key_that_replayed_dying_during_a_pass_through_ends_it_at_once():
     assert cache.pass_calls(10) == 0
     row = cache.churn.stats()
     assert row.calls == 3 and "ended when a graph replayed" in row.fallback_reason
+
+
+def growing(n, ids="ids: i64[1, 1] cpu"):
+    """A decode step's key: its ids kept, its attention mask ``n`` long."""
+    return [ids, f"mask: i64[1, {n}] cpu", "use_cache=True"]
+
+
+def test_a_key_that_grows_by_one_while_another_argument_keeps_its_shape_passes_after_three():
+    churn = Churn("f", window=16, first=8)
+    assert [churn.new_key([], growing(n)) for n in (9, 10, 11)] == [False, False, True]
+    assert churn.left == 8 and churn.growing == 2
+    assert "mask: i64[1, 10] cpu became mask: i64[1, 11] cpu" in churn.warning("k")
+
+
+def test_what_is_not_growth_by_one_waits_for_the_window():
+    cases = {
+        "a sweep over batch sizes": lambda n: [f"ids: i64[{n}, 8] cpu", f"mask: i64[{n}, 8] cpu"],
+        "no tensor kept": lambda n: [f"mask: i64[1, {n}] cpu", "use_cache=True"],
+        "growth by two": lambda n: growing(2 * n),
+        "two dims grow": lambda n: ["ids: i64[1, 1] cpu", f"mask: i64[{n}, {n}] cpu"],
+        "another dtype": lambda n: [
+            "ids: i64[1, 1] cpu",
+            f"mask: {'i64' if n % 2 else 'f32'}[1, {n}] cpu",
+        ],
+        "shrinks": lambda n: growing(100 - n),
+        "a number changes too": lambda n: growing(n) + [f"step={n}"],
+    }
+    for name, parts in cases.items():
+        churn = Churn("f", window=6)
+        assert [churn.new_key([], parts(n)) for n in range(1, 7)] == [False] * 5 + [True], name
+
+
+def test_after_a_pass_through_that_growth_started_a_longer_key_passes_through_at_once():
+    churn = Churn("f", window=16, first=4, longest=16)
+    for n in (9, 10, 11):
+        churn.new_key([], growing(n))
+    churn.left = 0  # the 4 calls passed through, growing the mask unseen
+    assert churn.new_key([], growing(16))  # the look's first key: 5 longer, at once again
+    assert churn.left == 8 and churn.looks == 1
+    churn.left = 0
+    assert not churn.new_key([], growing(8, ids="ids: i64[1, 8] cpu"))  # a new prompt's prefill
+    assert churn.growing == 0

@@ -36,6 +36,29 @@ def test_generate_with_the_default_cache_passes_through_once_its_keys_churn(padd
     assert "never graphed" in row.fallback_reason
 
 
+def test_generate_with_a_growing_mask_watches_three_decode_steps_not_sixteen():
+    # Each decode step's attention mask is one position longer, its input_ids [1, 1] the
+    # same: after the prefill and three decode steps calls pass through, and each later look
+    # whose key grew while calls passed through passes through again at once.
+    model = generating_llama()
+    ids = torch.randint(0, 256, (1, 8))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    with torch.inference_mode():
+        expected = model.generate(
+            ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False
+        )
+        with emulate_graphs_on_cpu(), autograph.region() as region:
+            tokens = model.generate(
+                ids, attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False
+            )
+    assert torch.equal(tokens, expected)
+    stats = region.stats()
+    # The prefill, 3 decode steps, then one key per look (after 16 calls, then 32).
+    assert len(stats.keys) <= 6 and stats.captures == 0, stats
+    assert stats.passed_through >= 40 and stats.eager_calls == 48, stats
+
+
 @pytest.mark.xfail(
     strict=True,
     reason=(
