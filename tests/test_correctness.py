@@ -388,14 +388,14 @@ def test_keys_that_never_repeat_pass_through_said_once_with_what_changes(device,
     def f(x, mask):
         return x * mask.sum()
 
-    for n in range(1, 40):
-        out = f(torch.ones(2, device=device), torch.ones(1, n, device=device))
-        assert torch.equal(out, torch.full((2,), float(n), device=device))
+    for n in range(1, 40):  # two longer each call: not a family growing by one
+        out = f(torch.ones(2, device=device), torch.ones(1, 2 * n, device=device))
+        assert torch.equal(out, torch.full((2,), 2.0 * n, device=device))
     messages = autograph_warnings(caught)
     assert len(messages) == 1
     assert "16 new keys, and no graph replayed" in messages[0]
     assert (
-        f"mask: f32[1, 15] {device_label(device)} became mask: f32[1, 16] {device_label(device)}."
+        f"mask: f32[1, 30] {device_label(device)} became mask: f32[1, 32] {device_label(device)}."
     ) in messages[0]
     # 16 keys, 16 calls passed through, a look (a new key), 6 calls of the next 32 passed.
     *keys, passed = f.stats()
@@ -406,6 +406,23 @@ def test_keys_that_never_repeat_pass_through_said_once_with_what_changes(device,
         16 + 6,
     )
     assert "1 look(s)" in passed.fallback_reason
+
+
+def test_a_key_growing_by_one_passes_through_after_three_keys_and_again_at_once(device, caught):
+    @autograph.graphed
+    def f(x, mask):
+        return x * mask.sum()
+
+    for n in range(1, 40):  # one longer each call, x the same: a decode step's mask
+        out = f(torch.ones(2, device=device), torch.ones(1, n, device=device))
+        assert torch.equal(out, torch.full((2,), float(n), device=device))
+    (message,) = autograph_warnings(caught)
+    assert "3 new keys, and no graph replayed" in message
+    assert f"mask: f32[1, 2] {device_label(device)} became mask: f32[1, 3]" in message
+    # 3 keys, 16 calls passed through, a look whose key grew (20 long): 19 of the next 32.
+    *keys, passed = f.stats()
+    assert len(keys) == 4 and all(r.replays == 0 for r in keys)
+    assert (passed.key, passed.calls) == ("calls passed through (keys churn)", 16 + 19)
 
 
 def test_calls_passed_through_in_a_region_are_counted_by_it(device, caught):

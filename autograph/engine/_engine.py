@@ -128,6 +128,11 @@ class Engine:
         if region is None and instance is None:  # a plain function's call: the common case
             options, cache, names = self.options, self.cache, self.names
             state = execution_state(None)
+        elif region is None and not self.per_instance:  # a graphed module's forward
+            options, cache, names = self.options, self.cache, self.names
+            state = execution_state(
+                instance.training if isinstance(instance, torch.nn.Module) else None
+            )
         else:
             options, cache, names, state = self.call_options(instance, region)
         churn = cache.churn
