@@ -92,7 +92,7 @@ def test_pending_timings_reach_the_payoff_in_order_once_finished_without_waiting
 
 @pytest.mark.cuda
 @requires_cuda
-def test_the_cuda_clock_times_gpu_work_without_synchronising():
+def test_the_cuda_clock_times_gpu_work_from_an_idle_stream():
     clock = CudaClock()
     x = torch.randn(2048, 2048, device="cuda")
     timing = clock.start()
