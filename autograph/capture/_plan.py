@@ -6,7 +6,8 @@
 >>> outputs.produce(new_tensors)                # the caller's return value
 
 Inputs: ``empty_strided`` copies of the arguments. All arguments are copied in with one
-``torch._foreach_copy_``, skipping any that already is its static tensor; stride-0
+``torch._foreach_copy_`` (but each of 65536 elements or more with a ``copy_`` of its own: see
+``FOREACH_CHUNK``), skipping any that already is its static tensor; stride-0
 (expanded) arguments are copied through narrowed views. Arguments the function wrote to are
 copied back to the caller's tensors after each replay (docs/design.md, "Inputs").
 
@@ -45,11 +46,27 @@ def _narrow_expanded(t: Tensor, dims: Tuple[int, ...]) -> Tensor:
     return t
 
 
+# torch's _foreach_copy_ gives each block of its one kernel a chunk of 65536 elements
+# (MultiTensorApply.cuh's kChunkSize), so a tensor of a few chunks is copied by as few blocks:
+# a batch of 64 x 4096 by 4 of the H200's 132 SMs. A tensor that large gets a copy_ of its own,
+# which spreads over the whole GPU; the small ones still share one launch.
+FOREACH_CHUNK = 65536
+
+
 def copy_all(dst: List[Tensor], src: List[Tensor]) -> None:
     if len(dst) == 1:
         dst[0].copy_(src[0])
-    elif dst:
-        torch._foreach_copy_(dst, src)
+        return
+    small = [i for i, d in enumerate(dst) if d.numel() < FOREACH_CHUNK]
+    if len(small) == len(dst):
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return
+    if small:
+        torch._foreach_copy_([dst[i] for i in small], [src[i] for i in small])
+    for d, t in zip(dst, src):
+        if d.numel() >= FOREACH_CHUNK:
+            d.copy_(t)
 
 
 class InputPlan:
@@ -90,8 +107,14 @@ class InputPlan:
         # The arguments copied in on every replay (those used by address are their statics).
         self._copied = [i for i in range(len(self.statics)) if i not in self.addressed]
         self._copied_statics = [self.statics[i] for i in self._copied]
-        # Every argument copied whole into its static: one C call per replay (``copy_in``).
-        self._copies_all = self.expanded is None and not self.addressed and bool(self.statics)
+        # Every argument copied whole into its static, none of them large: one C call per
+        # replay (``copy_in``); large ones go through ``copy_all``.
+        self._copies_all = (
+            self.expanded is None
+            and not self.addressed
+            and bool(self.statics)
+            and all(s.numel() < FOREACH_CHUNK for s in self.statics)
+        )
         self.mutated: List[int] = []
         if padding is not None:
             self.copy_in(tensors, padding.rows)
