@@ -425,6 +425,28 @@ def test_a_key_growing_by_one_passes_through_after_three_keys_and_again_at_once(
     assert (passed.key, passed.calls) == ("calls passed through (keys churn)", 16 + 19)
 
 
+def test_a_server_sweeping_batch_sizes_with_a_fixed_argument_is_graphed_after_its_growth(
+    device, caught
+):
+    # Sizes 1, 2, 3 with the temperature tensor kept look like growth by one: the first calls
+    # pass through, but a key called twice shows that the family repeats, growth no longer
+    # counts, and the sweep is graphed (it once passed every call through: 0 replays).
+    w = torch.randn(8, 8, device=device)
+
+    @autograph.graphed
+    def step(x, temperature):
+        return torch.softmax(x @ w / temperature, -1)
+
+    temperature = torch.tensor(0.7, device=device)
+    for _ in range(40):
+        for rows in range(1, 9):
+            x = torch.randn(rows, 8, device=device)
+            torch.testing.assert_close(step(x, temperature), torch.softmax(x @ w / 0.7, -1))
+    keys = [r for r in step.stats() if r.key != "calls passed through (keys churn)"]
+    assert len(keys) == 8 and all(r.state == "graphed" for r in keys)
+    assert sum(r.replays for r in keys) >= 0.8 * 320
+
+
 def test_calls_passed_through_in_a_region_are_counted_by_it(device, caught):
     model = torch.nn.Linear(2, 2).to(device)
     with autograph.region() as region, torch.no_grad():

@@ -109,15 +109,19 @@ class Churn:
         ``entries``: the cache's entries (each with ``replays`` and ``graph``); ``parts``:
         the readable pieces of the new key, to say what keeps changing.
         """
+        entries = list(entries)
         replays = sum(e.replays for e in entries if e.graph is not None)
         if replays != self.replays_seen:  # a graph replayed since the last new key: it pays
             self.replays_seen = replays
             self._paid()
         self.streak += 1
-        # After a pass-through that growth started, the calls passed through grew the key
-        # unseen: the first key of the look may be longer by more than one.
-        after_growth = self.growing >= self.growth
-        grows = _grows(self.last_parts, parts, any_step=after_growth)
+        # After a pass-through that growth started, a family still growing by one has grown
+        # by one per call passed through: the look's key is that much longer. A key called
+        # more than once means the family repeats (a server's sweep over batch sizes 1, 2, 3,
+        # a cycle of lengths), which the window serves: growth no longer counts.
+        step = self.length + 1 if self.growing >= self.growth else 1
+        repeats = any(getattr(e, "calls", 1) > 1 for e in entries)
+        grows = not repeats and _grows(self.last_parts, parts, step)
         self.growing = self.growing + 1 if grows else 0
         change = _what_changed(self.last_parts, parts)
         if change:
@@ -256,10 +260,10 @@ def _what_changed(before: Sequence[str], after: Sequence[str]) -> str:
 _TENSOR = re.compile(r"^(.+?): (\w+)\[([\d, ]*)\](.*)$")
 
 
-def _grows(before: Sequence[str], after: Sequence[str], any_step: bool = False) -> bool:
-    """Whether the key ``after`` is the key ``before`` with one tensor argument one element
-    longer along one dim (``any_step``: longer), and every other part the same (a tensor
-    argument among them).
+def _grows(before: Sequence[str], after: Sequence[str], step: int = 1) -> bool:
+    """Whether the key ``after`` is the key ``before`` with one tensor argument ``step``
+    elements longer along one dim, and every other part the same (a tensor argument among
+    them).
 
     >>> _grows(["ids: i64[1, 1] cuda:0", "mask: i64[1, 9] cuda:0"],
     ...        ["ids: i64[1, 1] cuda:0", "mask: i64[1, 10] cuda:0"])
@@ -280,7 +284,7 @@ def _grows(before: Sequence[str], after: Sequence[str], any_step: bool = False) 
     if len(old_sizes) != len(new_sizes):
         return False
     steps = [n - o for o, n in zip(old_sizes, new_sizes) if n != o]
-    return steps == [1] or any_step and len(steps) == 1 and steps[0] > 0
+    return steps == [step]
 
 
 # A key's part for a Python number argument: ``name=repr(value)`` (capture/_keys.py).

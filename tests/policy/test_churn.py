@@ -217,3 +217,19 @@ def test_after_a_pass_through_that_growth_started_a_longer_key_passes_through_at
     churn.left = 0
     assert not churn.new_key([], growing(8, ids="ids: i64[1, 8] cpu"))  # a new prompt's prefill
     assert churn.growing == 0
+
+
+def test_growth_no_longer_counts_once_a_key_was_called_twice():
+    churn = Churn("f", window=16)
+    called_twice = [SimpleNamespace(replays=0, graph=None, calls=2)]
+    assert [churn.new_key(called_twice, growing(n)) for n in (9, 10, 11, 12)] == [False] * 4
+    assert churn.growing == 0
+
+
+def test_a_look_whose_key_did_not_grow_by_the_calls_passed_is_not_growth():
+    churn = Churn("f", window=16, first=4)
+    for n in (1, 2, 3):
+        churn.new_key([], growing(n))
+    churn.left = 0  # 4 calls passed: a family growing by one would be at 8 now
+    assert not churn.new_key([], growing(4))  # a sweep's next size: keyed, watched
+    assert churn.growing == 0
