@@ -35,15 +35,16 @@ Tensor = torch.Tensor
 # Per output leaf: the dims sliced back to the call's rows (empty: returned whole).
 Dims = Tuple[Tuple[int, ...], ...]
 
-# A run's outputs as evidence, per leaf: ("tensor", shape), ("value", a number it returned:
-# an int may be the size, a float made from it, 1.0 / x.shape[0]), or ("other", its type).
+# A run's outputs as evidence, per leaf: ("tensor", shape), ("value", a plain value it
+# returned: an int may be the size, a float made from it, 1.0 / x.shape[0], a bool or a str
+# too, x.shape[0] > 4, f"rows={x.shape[0]}"), or ("other", its type).
 _Leaf = Tuple[str, Any]
 
 
 def as_evidence(leaf: Any) -> _Leaf:
     if isinstance(leaf, Tensor):
         return ("tensor", tuple(leaf.shape))
-    if type(leaf) in (int, float):  # bool is not a size
+    if type(leaf) in (int, float, bool, str):  # compared between sizes; a bool is no size
         return ("value", leaf)
     return ("other", type(leaf))
 

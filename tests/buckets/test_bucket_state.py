@@ -102,8 +102,14 @@ def _captured_with_per_bucket_state(returned, device):
 
 @pytest.mark.parametrize(
     "returned, value",
-    [(lambda x: 1.0 / x.shape[0], lambda n: 1.0 / n), (lambda x: x.shape[0], lambda n: n)],
-    ids=["1/rows", "rows"],
+    [
+        (lambda x: 1.0 / x.shape[0], lambda n: 1.0 / n),
+        (lambda x: x.shape[0], lambda n: n),
+        # Once silently the bucket's ('rows=4' for 3 rows): only ints and floats were compared.
+        (lambda x: f"rows={x.shape[0]}", lambda n: f"rows={n}"),
+        (lambda x: x.shape[0] > 4, lambda n: n > 4),
+    ],
+    ids=["1/rows", "rows", "str", "bool"],
 )
 def test_a_number_made_from_the_size_after_capture_is_the_calls_own(
     device, caught, returned, value
