@@ -125,13 +125,16 @@ class Engine:
             region.note_tallied(self)
             with nested_calls():  # its submodules' calls are part of it, not top-level
                 return call(*args, **kwargs)
-        if region is None and instance is None:  # a plain function's call: the common case
-            options, cache, names = self.options, self.cache, self.names
-            state = execution_state(None)
-        elif region is None and not self.per_instance:  # a graphed module's forward
+        if region is None and (instance is None or not self.per_instance):
+            # A plain function's call (the common case: no isinstance call) or a graphed
+            # module's own forward: the engine's own options and cache.
             options, cache, names = self.options, self.cache, self.names
             state = execution_state(
-                instance.training if isinstance(instance, torch.nn.Module) else None
+                None
+                if instance is None
+                else instance.training
+                if isinstance(instance, torch.nn.Module)
+                else None
             )
         else:
             options, cache, names, state = self.call_options(instance, region)

@@ -106,8 +106,8 @@ class Churn:
     def new_key(self, entries: Iterable[Any], parts: Sequence[str] = ()) -> bool:
         """Note a new key of the cache; True if the calls after this one pass through.
 
-        ``entries``: the cache's entries (each with ``replays`` and ``graph``); ``parts``:
-        the readable pieces of the new key, to say what keeps changing.
+        ``entries``: the cache's entries (each with ``replays``, ``graph`` and ``calls``);
+        ``parts``: the readable pieces of the new key, to say what keeps changing.
         """
         entries = list(entries)
         replays = sum(e.replays for e in entries if e.graph is not None)
@@ -120,7 +120,7 @@ class Churn:
         # more than once means the family repeats (a server's sweep over batch sizes 1, 2, 3,
         # a cycle of lengths), which the window serves: growth no longer counts.
         step = self.length + 1 if self.growing >= self.growth else 1
-        repeats = any(getattr(e, "calls", 1) > 1 for e in entries)
+        repeats = any(e.calls > 1 for e in entries)
         grows = not repeats and _grows(self.last_parts, parts, step)
         self.growing = self.growing + 1 if grows else 0
         change = _what_changed(self.last_parts, parts)

@@ -14,13 +14,15 @@ class Cache:
         self.entries = []
 
     def new_key(self, size, graphed=False):
-        entry = SimpleNamespace(replays=1 if graphed else 0, graph=object() if graphed else None)
+        entry = SimpleNamespace(
+            replays=1 if graphed else 0, graph=object() if graphed else None, calls=1
+        )
         self.entries.append(entry)
         return self.churn.new_key(self.entries, [f"mask: i64[1, {size}] cpu"])
 
     def graphed_key(self, replays=0):
         """A key with a graph (a served model's decode step), its replays for the test to add."""
-        entry = SimpleNamespace(replays=replays, graph=object())
+        entry = SimpleNamespace(replays=replays, graph=object(), calls=1)
         self.entries.append(entry)
         return entry
 
