@@ -105,6 +105,8 @@ class BatchShapes:
         self.numbers: Dict[int, list] = {}  # the Python numbers its ops got, by size (_size_reads)
         # Whether a run on fake tensors was tried for a second size (_symbolic_batch): once.
         self.fake_run_tried = False
+        # Why the whole family runs eagerly, where no output shows it (its fake run's leak).
+        self.refused: Optional[str] = None
         self._decided: Optional[Dims] = None
 
     def note(self, size: int, leaves: Sequence[Any]) -> None:
@@ -120,11 +122,11 @@ class BatchShapes:
 
     def decide(self, rows: int, bucket: int) -> Decision:
         """Which dims to slice back to ``rows`` on a call replayed at ``bucket``."""
-        if not self.runs:
-            return Decision(None, "no run of it has been seen yet", None)
         refused = self._refusal()
         if refused is not None:
             return Decision(None, None, refused)
+        if not self.runs:
+            return Decision(None, "no run of it has been seen yet", None)
         if self._decided is None:
             dims, undecided = self._dims(bucket)
             if undecided is not None:
@@ -138,6 +140,8 @@ class BatchShapes:
         return next(iter(self.runs.values()))
 
     def _refusal(self) -> Optional[str]:
+        if self.refused is not None or not self.runs:
+            return self.refused
         sizes = sorted(self.runs)
         first = self.runs[sizes[0]]
         for size in sizes[1:]:

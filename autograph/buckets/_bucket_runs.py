@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from typing import Any, Callable, ContextManager, Dict, List, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
@@ -40,7 +40,7 @@ from ..watch._python_state import PythonState
 from ..watch._reads import storage_ptr
 from ..watch._size_reads import NumbersOf, size_read
 from ..watch._undo import generator_states
-from ._batch_dims import as_evidence
+from ._batch_dims import BatchShapes, as_evidence
 from ._buckets import padded_arguments
 from ._row_mixing import SavedState, mixes_rows
 from ._symbolic_batch import symbolic_shapes
@@ -57,9 +57,19 @@ def run_call(life: Any, c: Any, watched: bool = False) -> Any:
         return c.call(*c.args, **c.kwargs)
     if padding.stateful and life.padded_runs and padding.rows != padding.bucket:
         refused = padding.shapes.decide(padding.rows, padding.bucket).refused
+        shapes_at = None
         if refused is None:
-            return _padded_run(life, c, watched)
-        refuse(life, refused)  # its family's runs at other sizes refused it: as called
+            # Normal tensors even under inference_mode: their version counters show what it
+            # wrote.
+            with torch.inference_mode(False):
+                padded_call = padded_arguments(c.args, c.kwargs, c.tensors, padding, padding.bucket)
+            shapes_at = _fake_run_first(life, c, padded_call)
+            refused = _refused_by(padding, shapes_at)
+        if refused is None:
+            return _padded_run(life, c, padded_call, shapes_at, watched)
+        # Its family's runs at other sizes, or its run on fake tensors, refused it: as called.
+        # Said before the padded run, whose writes to the per-bucket state could not be undone.
+        refuse(life, refused)
     with _numbers_of(padding, padding.rows, watched):
         outputs = c.call(*c.args, **c.kwargs)
     padding.shapes.note(padding.rows, flatten_output(outputs)[0])
@@ -90,13 +100,19 @@ def capture_call(c: Any) -> Callable[..., Any]:
     return noted
 
 
-def _padded_run(life: Any, c: Any, watched: bool) -> Any:
-    """The call run on its arguments padded to the bucket, its outputs sliced back."""
+def _padded_run(
+    life: Any,
+    c: Any,
+    padded_call: Tuple[tuple, dict, Dict[int, Tensor]],
+    shapes_at: Any,
+    watched: bool,
+) -> Any:
+    """The call run on its arguments padded to the bucket (``padded_call``: the arguments, and
+    the padded tensors by index), its outputs sliced back. ``shapes_at``: the outputs of the
+    run on fake tensors made before it, if one was (``_fake_run_first``)."""
     padding = c.padding
     rows, bucket = padding.rows, padding.bucket
-    # Normal tensors even under inference_mode: their version counters show what it wrote.
-    with torch.inference_mode(False):
-        args, kwargs, padded = padded_arguments(c.args, c.kwargs, c.tensors, padding, bucket)
+    args, kwargs, padded = padded_call
     versions = {i: t._version for i, t in padded.items()}
     try:
         with _numbers_of(padding, bucket, watched):
@@ -107,8 +123,11 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
     leaves, rebuild = flatten_output(outputs)
     padding.shapes.note(bucket, leaves)
     decision = padding.shapes.decide(rows, bucket)
-    if decision.undecided is not None and _noted_symbolic_run(life, c, args, kwargs, padded):
-        decision = padding.shapes.decide(rows, bucket)
+    if decision.undecided is not None:
+        if shapes_at is None:
+            shapes_at = _fake_run(life, c, args, kwargs, padded)
+        if _noted_fake_evidence(padding, shapes_at):
+            decision = padding.shapes.decide(rows, bucket)
     if decision.dims is None:
         if decision.refused is not None:
             refuse(life, decision.refused)
@@ -138,44 +157,115 @@ def _padded_run(life: Any, c: Any, watched: bool) -> Any:
     )
 
 
-def _noted_symbolic_run(
-    life: Any, c: Any, args: tuple, kwargs: dict, padded: Dict[int, Tensor]
-) -> bool:
-    """Note the family's outputs at a second size, from a run of the function on fake tensors
-    whose batch dim is a symbol (``_symbolic_batch``), once per family; whether it could.
-    Only the shapes of that run are kept: the Python state the call reaches and the random
-    generators are put back after it."""
+def _fake_run_first(life: Any, c: Any, padded_call: Tuple[tuple, dict, Dict[int, Tensor]]) -> Any:
+    """The run on fake tensors (``_fake_run``) before the real padded run, where that run could
+    not decide the output dims alone (its family ran at no other size): a Python value that
+    changes with the batch size refuses the key before its per-bucket state is written."""
+    shapes = c.padding.shapes
+    if shapes.named is not None or set(shapes.runs) - {c.padding.bucket}:
+        return None
+    return _fake_run(life, c, *padded_call)
+
+
+def _fake_run(life: Any, c: Any, args: tuple, kwargs: dict, padded: Dict[int, Tensor]) -> Any:
+    """The outputs of a run of the function on fake tensors whose batch dim is a symbol
+    (``_symbolic_batch``), as a function of the size; once per family, None where it could
+    not run. Only its shapes are kept: the Python state the call reaches and the random
+    generators are put back after it. Raises ``RuntimeError``, the key made eager, if the run
+    left fake values where nothing could put them back: that state is no longer what the
+    caller's program made it, and saying so is all that is left to do."""
     padding = c.padding
     if padding.shapes.fake_run_tried:
-        return False
+        return None
     padding.shapes.fake_run_tried = True
-    bucket = padding.bucket
-    state = PythonState.of(life.function.roots(c), life.function.fn, restorable=True)
-    generators = generator_states()
-    python_random = _python_random_states()
     try:
-        shapes_at = symbolic_shapes(
-            c.call, args, kwargs, [(t, padding.dims[i][0]) for i, t in padded.items()], bucket
+        run = symbolic_shapes(
+            c.call,
+            args,
+            kwargs,
+            [(t, padding.dims[i][0]) for i, t in padded.items()],
+            padding.bucket,
+            kept=_PutBack(life, c),
         )
     except Exception:  # noqa: BLE001 - evidence or none: the run never fails the call
-        shapes_at = None
-    finally:
-        state.restore()
-        for generator, before in generators:
+        return None
+    if run.left:
+        padding.shapes.refused = (
+            f"its run on fake tensors left fake values in {', '.join(run.left)}: its family "
+            f"runs eagerly, as called"
+        )
+        refuse(life, padding.shapes.refused)
+        raise RuntimeError(
+            f"{life.function.name}({life.label}): the run on fake tensors that decides which "
+            f"output dims of a key with per-bucket state follow the batch left fake values in "
+            f"{', '.join(run.left)}, where autograph could not put back what was there (it "
+            f"puts back the state the key reaches, module globals, and the attributes of the "
+            f"objects and classes the function's calls get). That state is no longer what "
+            f"your program made it. Name the dims with bucket_outputs= (bucket_outputs=0: dim "
+            f"0 of every tensor output), which makes no such run, or keep that state out of "
+            f"the function; the key runs eagerly from now on."
+        )
+    return run.shapes_at
+
+
+class _PutBack:
+    """The Python state the call reaches (``PythonState``), torch's generators and Python's and
+    numpy's random generators, as they were before the block, after it."""
+
+    def __init__(self, life: Any, c: Any):
+        self.state = PythonState.of(life.function.roots(c), life.function.fn, restorable=True)
+
+    def __enter__(self) -> None:
+        self.generators = generator_states()
+        self.python_random = _python_random_states()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.state.restore()
+        for generator, before in self.generators:
             generator.set_state(before)
-        for set_state, before in python_random:
+        for set_state, before in self.python_random:
             set_state(before)
-    if shapes_at is None:
-        return False
-    at_bucket = shapes_at(bucket)
-    if at_bucket is None or padding.shapes.runs[bucket] != [as_evidence(o) for o in at_bucket]:
-        return False  # not the real run's shapes: no evidence
+
+
+def _second_size(padding: Any, shapes_at: Any) -> Optional[Tuple[int, List[Any]]]:
+    """A size other than the bucket's, not run yet, and the fake run's outputs there."""
+    bucket = padding.bucket
     for size in (2 * bucket + 1, bucket + 1, bucket - 1):
         leaves = shapes_at(size) if size >= 2 and size not in padding.shapes.runs else None
         if leaves is not None:
-            padding.shapes.note(size, leaves)
-            return True
-    return False
+            return size, leaves
+    return None
+
+
+def _refused_by(padding: Any, shapes_at: Any) -> Optional[str]:
+    """Why the fake run's outputs at the bucket and a second size refuse the key, if they do.
+    Unchecked against a real run (none has run yet), they only ever refuse: a refused key runs
+    eagerly, as called, which is right whatever the fake run got wrong."""
+    at_bucket = shapes_at(padding.bucket) if shapes_at is not None else None
+    second = _second_size(padding, shapes_at) if at_bucket is not None else None
+    if second is None:
+        return None
+    trial = BatchShapes(padding.shapes.named)
+    trial.note(padding.bucket, at_bucket)
+    trial.note(*second)
+    return trial.decide(padding.rows, padding.bucket).refused
+
+
+def _noted_fake_evidence(padding: Any, shapes_at: Any) -> bool:
+    """Note the fake run's outputs at a second size in the family's ``BatchShapes``, if its
+    outputs at the bucket's size are the real run's; whether it did."""
+    if shapes_at is None:
+        return False
+    at_bucket = shapes_at(padding.bucket)
+    if at_bucket is None or padding.shapes.runs[padding.bucket] != [
+        as_evidence(o) for o in at_bucket
+    ]:
+        return False  # not the real run's shapes: no evidence
+    second = _second_size(padding, shapes_at)
+    if second is None:
+        return False
+    padding.shapes.note(*second)
+    return True
 
 
 def _python_random_states() -> List[Tuple[Any, Any]]:

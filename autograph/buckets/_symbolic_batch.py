@@ -23,24 +23,25 @@ is a value read from the data (``.item()``), or no second size meets the guards,
 none (``None``) and the key waits for a real run at another size, as before. The run takes the
 capture's path through capture-aware code (``as_if_capturing``: transformers reads no prompt
 offset on the host while a stream captures), since its outputs are to be the graph's. It executes
-the function's Python once more: Python state it writes that autograph's snapshot does not
-reach (a helper function's module global) gets the run's fake values, as it gets a second
-write from any warmup or capture run (docs/design.md, "Buckets").
-Nothing of the run stays: the tensors it meets are not written (fake), the Python state it
-reaches and the random generators are restored after it, and it runs outside the caller's
-dispatch modes (a watched warmup's observers would see fake tensors).
+the function's Python once more, as a warmup does: the state its writes reach is put back
+and what holds a fake value after it is found and said (``_fake_state``), so that nothing of
+the run stays. The tensors it meets are not written (fake), the Python state it reaches and
+the random generators are restored after it (``kept``, the caller's), and it runs outside the
+caller's dispatch modes (a watched warmup's observers would see fake tensors).
 """
 
 from __future__ import annotations
 
-import sys
+import contextlib
+import dataclasses
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..backends._as_if_capturing import as_if_capturing
+from ._fake_state import QuietLogs, WritesKept, left_behind
 
 Tensor = torch.Tensor
 
@@ -49,24 +50,54 @@ Tensor = torch.Tensor
 BATCH, HELD, FIXED = "batch", "held", "fixed"
 
 
+@dataclasses.dataclass
+class FakeRun:
+    """What a run on fake tensors gives: the outputs as a function of the batch size
+    (``shapes_at(size)``: the output leaves at that size, or None where the run's guards do not
+    hold there; ``shapes_at`` None where the run showed nothing of other sizes), and ``left``:
+    where it left fake values that nothing put back (``left_behind``), each said in words."""
+
+    shapes_at: Optional[Callable[[int], Optional[List[Any]]]]
+    left: List[str]
+
+
 def symbolic_shapes(
     call: Callable[..., Any],
     args: tuple,
     kwargs: dict,
     padded: Sequence[Tuple[Tensor, int]],
     bucket: int,
-) -> Optional[Callable[[int], Optional[List[Any]]]]:
-    """The outputs of ``call(*args, **kwargs)`` as a function of the batch size, or None.
+    kept: ContextManager[Any] = contextlib.nullcontext(),
+) -> FakeRun:
+    """The outputs of ``call(*args, **kwargs)`` as a function of the batch size.
 
     ``padded``: the padded tensors among the arguments (wherever they are: a dataclass's
-    field too), each with its batch dim, of ``bucket`` rows."""
+    field too), each with its batch dim, of ``bucket`` rows. ``kept``: the caller's own
+    putting back of the state the call reaches, around the run; whatever still holds a fake
+    value after it is ``FakeRun.left``."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv(duck_shape=False)
+    with kept:
+        shapes_at, leaves = _run(shape_env, call, args, kwargs, padded, bucket)
+    return FakeRun(shapes_at, left_behind(shape_env, leaves))
+
+
+def _run(
+    shape_env: Any,
+    call: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    padded: Sequence[Tuple[Tensor, int]],
+    bucket: int,
+) -> Tuple[Optional[Callable[[int], Optional[List[Any]]]], List[Any]]:
+    """The run itself, ``shapes_at`` and the output leaves it keeps; every fake value it made
+    that nothing outside holds dies with its frame."""
     # Private torch APIs (docs/design.md, "Private torch APIs"): fake tensors, symbolic
     # shapes and the mode stack are what torch.compile traces with.
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.utils._python_dispatch import _disable_current_modes
 
-    shape_env = ShapeEnv(duck_shape=False)
     fakes = _Fakes(FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True), bucket)
     for tensor, dim in padded:
         fakes.of(tensor, BATCH, dim)
@@ -77,20 +108,32 @@ def symbolic_shapes(
         try:
             for leaf in tree_flatten((args, kwargs))[0]:
                 swapped.walk(leaf, _DEPTH)
-            with as_if_capturing(), _GlobalsKept(), fakes.mode, _FakeOnFirstUse(fakes):
+            with as_if_capturing(), WritesKept(), QuietLogs(), fakes.mode, _FakeOnFirstUse(fakes):
                 outputs = call(*fake_args, **fake_kwargs)
         except Exception:  # noqa: BLE001 - a host read, an op without a fake kernel: no evidence
-            return None
+            return None, []
         finally:
             swapped.restore()
-    return _of_the_batch(shape_env, fakes, tree_flatten(outputs)[0])
+    leaves = [_recipe(leaf) for leaf in tree_flatten(outputs)[0]]
+    return _of_the_batch(shape_env, fakes, leaves), [w for kind, w in leaves if kind == "other"]
+
+
+def _recipe(leaf: Any) -> Tuple[str, Any]:
+    """An output leaf without its fake values: ("tensor", its sizes as expressions or ints),
+    (the type's name, the expression) for a symbolic number, or ("other", the leaf)."""
+    if isinstance(leaf, Tensor):
+        return ("tensor", [d.node.expr if isinstance(d, torch.SymInt) else d for d in leaf.shape])
+    for kind in (torch.SymInt, torch.SymFloat, torch.SymBool):
+        if isinstance(leaf, kind):
+            return (kind.__name__, leaf.node.expr)
+    return ("other", leaf)
 
 
 def _of_the_batch(
-    shape_env: Any, fakes: "_Fakes", output_leaves: List[Any]
+    shape_env: Any, fakes: "_Fakes", output_leaves: List[Tuple[str, Any]]
 ) -> Optional[Callable[[int], Optional[List[Any]]]]:
-    """The fake run's outputs as a function of the batch size, or None where its guards,
-    replacements and free symbols show nothing of other sizes."""
+    """The fake run's outputs (``_recipe``s) as a function of the batch size, or None where its
+    guards, replacements and free symbols show nothing of other sizes."""
     # torch's own dependency (its symbolic shapes are sympy expressions), imported only here:
     # importing it after torch took 0.29 s on the development CPU, which `import autograph` skips
     from sympy import sympify
@@ -135,12 +178,11 @@ class _NoEvidence(Exception):
     """An expression that is no number once the sizes are given."""
 
 
-def _expressions(leaf: Any) -> List[Any]:
-    if isinstance(leaf, Tensor):
-        return [d.node.expr for d in leaf.shape if isinstance(d, torch.SymInt)]
-    if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return [leaf.node.expr]
-    return []
+def _expressions(leaf: Tuple[str, Any]) -> List[Any]:
+    kind, what = leaf
+    if kind == "tensor":
+        return [d for d in what if not isinstance(d, int)]
+    return [] if kind == "other" else [what]
 
 
 # How deep the objects an argument holds (a cache, its layers, their tensors) are searched.
@@ -322,76 +364,13 @@ class _FakeOnFirstUse(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _is_fake(value: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(value, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool))
-
-
-class _GlobalsKept:
-    """Module globals the run writes a fake value to (a helper's counter ``TOKENS += n``, a
-    debug dict ``LAST["x"] = x``), put back as they were: each module's globals, and the lists
-    and dicts they hold, are copied when the run first calls into that module (a profile
-    hook, this thread and this run only). What holds a fake value after the run is restored;
-    other writes stay, as a warmup's would."""
-
-    def __init__(self) -> None:
-        self.kept: Dict[int, Tuple[dict, dict, Dict[str, Any]]] = {}
-        self.before: Any = None
-
-    def __enter__(self) -> "_GlobalsKept":
-        self.before = sys.getprofile()
-        sys.setprofile(self._on_event)
-        return self
-
-    def _on_event(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            names = frame.f_globals
-            if id(names) not in self.kept:
-                held = {
-                    key: (list(value) if isinstance(value, list) else dict(value))
-                    for key, value in names.items()
-                    if isinstance(value, (list, dict)) and len(value) <= _KEPT_CONTAINER
-                }
-                self.kept[id(names)] = (names, dict(names), held)
-        if self.before is not None:
-            self.before(frame, event, arg)
-
-    def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self.before)
-        for names, copied, held in self.kept.values():
-            for key, value in list(names.items()):
-                if _is_fake(value) and key in copied:
-                    names[key] = copied[key]
-                elif key in held and any(map(_is_fake, _values(value))):
-                    value.clear()
-                    if isinstance(value, list):
-                        value.extend(held[key])
-                    else:
-                        value.update(held[key])
-
-
-# The largest list or dict of a module's globals copied whole (registries are larger).
-_KEPT_CONTAINER = 256
-
-
-def _values(container: Any) -> List[Any]:
-    return list(container.values()) if isinstance(container, dict) else list(container)
-
-
-def _at(leaf: Any, evaluate: Callable[[Any, int], Any], size: int) -> Any:
-    """One output leaf as a run at ``size`` would give it: a meta tensor of its shape, a
-    number, or the leaf itself."""
-    if isinstance(leaf, Tensor):
-        shape = [
-            int(evaluate(d.node.expr, size)) if isinstance(d, torch.SymInt) else d
-            for d in leaf.shape
-        ]
+def _at(leaf: Tuple[str, Any], evaluate: Callable[[Any, int], Any], size: int) -> Any:
+    """One output leaf (its ``_recipe``) as a run at ``size`` would give it: a meta tensor of
+    its shape, a number, or the leaf itself."""
+    kind, what = leaf
+    if kind == "tensor":
+        shape = [d if isinstance(d, int) else int(evaluate(d, size)) for d in what]
         return torch.empty(shape, device="meta")
-    if isinstance(leaf, torch.SymInt):
-        return int(evaluate(leaf.node.expr, size))
-    if isinstance(leaf, torch.SymFloat):
-        return float(evaluate(leaf.node.expr, size))
-    if isinstance(leaf, torch.SymBool):
-        return bool(evaluate(leaf.node.expr, size))
-    return leaf
+    if kind == "other":
+        return what
+    return {"SymInt": int, "SymFloat": float, "SymBool": bool}[kind](evaluate(what, size))

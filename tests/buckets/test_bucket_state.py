@@ -127,6 +127,36 @@ def test_a_number_made_from_the_size_after_capture_is_the_calls_own(
     assert any(reason in w for w in autograph_warnings(caught))
 
 
+@pytest.mark.parametrize(
+    "returned, value",
+    [(lambda x: 1.0 / x.shape[0], lambda n: 1.0 / n), (lambda x: x.shape[0], lambda n: n)],
+    ids=["1/rows", "rows"],
+)
+def test_a_number_made_from_the_size_at_the_first_call_runs_eagerly_and_writes_once(
+    device, caught, returned, value
+):
+    # Once raised ValueError at the first call of 3 rows: its padded run had written the
+    # cache before its outputs showed a number that changes with the size. The run on fake
+    # tensors now shows it first, and the call runs as called, writing the cache once.
+    @autograph.graphed(buckets=[4, 8], static_argnames=("cache",))
+    def accumulate(x, cache):
+        cache.kv[: x.shape[0]] += x
+        return x * 2, returned(x)
+
+    caches = {4: Cache(4, device), 8: Cache(8, device)}
+    expected = {b: c.kv.clone() for b, c in caches.items()}
+    for rows, bucket in ((3, 4), (3, 4), (5, 8), (3, 4), (5, 8)):
+        x = torch.randn(rows, 2, device=device)
+        out, number = accumulate(x, caches[bucket])
+        expected[bucket][:rows] += x
+        assert torch.equal(out, x * 2) and number == value(rows)
+        assert torch.equal(caches[bucket].kv, expected[bucket])
+    reason = "output 1 is a Python value that changes with the batch size"
+    assert all(
+        r.state == "eager" and reason in r.fallback_reason for r in autograph.stats(accumulate)
+    )
+
+
 def test_the_keys_of_capture_are_not_churn(device, caught):
     sizes = list(range(1, 21))
 

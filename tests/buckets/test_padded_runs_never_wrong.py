@@ -414,6 +414,69 @@ def test_the_fake_run_leaves_no_fake_value_in_a_helpers_globals(device):
     assert random.getstate() == python_random
 
 
+class Served:
+    """A class-level counter, as a metrics registry keeps one."""
+
+    rows = 0
+
+
+class Holder:
+    pass
+
+
+# A plain object of this module's globals, and one inside a dict that only a helper names.
+REGISTRY = Holder()
+BOXES = {"rows": Holder()}
+
+
+def note_rows(n):
+    BOXES["rows"].value = n
+
+
+def test_the_fake_run_leaves_no_fake_value_in_a_class_or_an_object_a_call_gets(device):
+    # Found by a hostile review: Served.rows += x.shape[0] became 's26 + 4' after the run on
+    # fake tensors (a class attribute is no module global), and range(Served.rows) then
+    # yielded 8 items.
+    def remember(holder, x):
+        holder.last_rows = x.shape[0]
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def update(x, cache):
+        cache.kv[: x.shape[0], 0] = x
+        Served.rows += x.shape[0]
+        remember(REGISTRY, x)
+        return x * 2
+
+    Served.rows = 0
+    out = update(torch.randn(3, 6, device=device), RowCache(4, device))
+    assert out.shape == (3, 6)
+    assert type(Served.rows) is int and type(REGISTRY.last_rows) is int
+    assert list(range(Served.rows)) == list(range(Served.rows))  # no symbolic size
+
+
+def test_a_fake_value_the_run_cannot_put_back_is_said_loudly(device):
+    # An object in a dict that only a helper names: nothing copied it before the run, which
+    # finds the fake value after it and says so, instead of leaving it there silently.
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def update(x, cache):
+        cache.kv[: x.shape[0], 0] = x
+        note_rows(x.shape[0])
+        return x * 2
+
+    # (the suite freezes the objects made at its start, which hides the holder's name)
+    first, other = RowCache(4, device), RowCache(4, device)
+    with pytest.raises(RuntimeError, match=r"fake values in .*bucket_outputs="):
+        update(torch.randn(3, 6, device=device), first)
+    for cache in (first, other, other):  # another key of its family (other's cache) too
+        x = torch.randn(3, 6, device=device)
+        torch.testing.assert_close(update(x, cache), x * 2)
+        assert BOXES["rows"].value == 3  # eager from now on, as called
+        assert torch.equal(cache.kv[:3, 0], x)
+    rows = autograph.stats(update)
+    assert len(rows) == 2 and all(r.state == "eager" for r in rows)
+    assert all("left fake values" in r.fallback_reason for r in rows)
+
+
 def test_the_fake_run_takes_the_captures_path_through_capture_aware_code(device):
     # transformers 5.17 reads the prompt's offset on the host unless a stream captures; the
     # fake run read it too, found nothing, and the first call of 3 rows raised.
