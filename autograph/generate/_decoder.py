@@ -84,6 +84,29 @@ def decode_step_of(forward: ModelCall, state: DecodeState, name: str) -> Callabl
     return decode_step
 
 
+def prefill_of(forward: ModelCall, state: DecodeState, name: str) -> Callable[..., None]:
+    """The function a prompt's prefill is captured from: the forward over the prompt (which
+    writes the cache's first positions) and the choice of the first token."""
+
+    def prefill(
+        model: Any,
+        cache: Any,
+        prompt: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        positions: Optional[torch.Tensor],
+        recipe: Recipe,
+    ) -> None:
+        choose(state, forward(model, cache, prompt, mask, positions), recipe)
+
+    prefill.__qualname__ = prefill.__name__ = name
+    return prefill
+
+
+# Prompt lengths whose prefill a decoder graphs: a length from its second call on (its third
+# replays), the first lengths to repeat; others prefill eagerly.
+PREFILL_GRAPHS = 8
+
+
 class Decoder:
     """The decode state, the cache and the graphed step of one model at one batch size. The
     model is held weakly, and so is a cache of the caller's: they go when the caller drops
@@ -116,6 +139,12 @@ class Decoder:
         # buckets=None: a region's buckets would pad the state's own token (its rows are the
         # decoder's already); its other options apply as to any graphed function.
         self._step = graphed(static_argnames=("token",), buckets=None)(step)
+        name = f"generate_prefill[{type(model).__name__}, {rows} rows]"
+        # max_graphs past PREFILL_GRAPHS: this decoder chooses which lengths are graphed.
+        self._prefill = graphed(buckets=None, max_graphs=2 * PREFILL_GRAPHS)(
+            prefill_of(self.forward, self.state, name)
+        )
+        self.prompt_lengths: Dict[int, int] = {}  # calls seen per prompt length
 
     @property
     def cache(self) -> Any:
@@ -126,23 +155,40 @@ class Decoder:
         self._step(self.model(), self.cache, self.state.token, recipe)
 
     def start(self, plan: Any) -> None:
-        """Reset the cache and the state in place, prefill the prompt (eagerly) and choose the
-        first token from its logits."""
+        """Reset the cache and the state in place, prefill the prompt and choose the first
+        token from its logits: eagerly, or a graphed call for a prompt length that repeats
+        (``_graphs_prefill``)."""
         if self.own_cache is not None:
             self.own_cache.reset()
         state = self.state
         state.start(plan)
         spread = state.spread
         positions = None if plan.positions is None else spread(plan.positions)
+        arguments = (
+            self.model(),
+            self.cache,
+            spread(plan.prompt),
+            spread(plan.mask) if plan.padded else None,
+            positions,
+            plan.recipe,
+        )
+        if self._graphs_prefill(plan.prompt.shape[1]):
+            self._prefill(*arguments)
+            return
         with nested_calls():  # an enclosing region's: this call is autograph.generate's own
-            logits = self.forward(
-                self.model(),
-                self.cache,
-                spread(plan.prompt),
-                spread(plan.mask) if plan.padded else None,
-                positions,
-            )
-        choose(state, logits, plan.recipe)
+            self._prefill.__wrapped__(*arguments)
+
+    def _graphs_prefill(self, length: int) -> bool:
+        """Whether the prefill of a prompt of ``length`` tokens is a graphed call: from the
+        second call of that length, for the first ``PREFILL_GRAPHS`` lengths to repeat. A
+        length seen once stays eager, so prompts of ever new lengths cost no warmups."""
+        seen = self.prompt_lengths
+        calls = seen[length] = seen.get(length, 0) + 1
+        graphed_lengths = sum(n > 1 for n in seen.values())
+        if len(seen) > 4 * PREFILL_GRAPHS and calls == 1:  # forget lengths seen once
+            for other in [n for n, c in seen.items() if c == 1 and n != length]:
+                del seen[other]
+        return calls > 1 and graphed_lengths <= PREFILL_GRAPHS
 
     def result(self, plan: Any) -> torch.Tensor:
         """The prompt and the tokens model.generate would return (one host read: their count);

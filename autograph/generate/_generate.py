@@ -47,7 +47,8 @@ def generate(
     near-tie otherwise; on the CPU they matched across 12 model families). Sampling draws as
     ``torch.multinomial`` does, so from the same ``torch.manual_seed`` the tokens are
     transformers' (steps after the end draw too: the generator ends further along). The
-    prefill runs eagerly; each decode step replays one graph, kept for later calls with its
+    prefill runs eagerly, or from a graph for a prompt length that repeats (from its second
+    call); each decode step replays one graph, kept for later calls with its
     StaticCache (reset in place; full-length layers; the prompt plus ``max_new_tokens``
     rounded up to a power of two, >= 64). The host checks "every row finished" every
     ``check_every`` tokens (8), one check behind, so the CPU runs ahead; the steps run after

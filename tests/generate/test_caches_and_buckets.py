@@ -10,7 +10,7 @@ import torch
 
 import autograph
 
-from helpers.generation import assert_graphed, decode_steps, left_padded
+from helpers.generation import assert_graphed, decode_steps, left_padded, prefills
 from helpers.models import tiny_decoder
 
 OPTIONS = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -38,6 +38,24 @@ def test_a_callers_static_cache_gives_transformers_tokens_and_is_left_as_it_leav
             assert torch.equal(mine.keys, its.keys) and torch.equal(mine.values, its.values)
     (row,) = decode_steps()
     assert row.state == "graphed" and row.replays > 0
+
+
+def test_a_prompt_length_that_repeats_prefills_from_a_graph(emulated):
+    # The prefill was eager at every call: an 8-layer Llama's eager forward is about 10% of
+    # a 64-token call on the H200. A length's first call prefills eagerly, its second warms
+    # the prefill's key up, its third captures it (and replays it once), later ones replay.
+    _, _, model = tiny_decoder("llama")
+    ids, mask = left_padded()
+    for call in range(5):
+        got = autograph.generate(model, ids, attention_mask=mask, **OPTIONS)
+        assert torch.equal(got, model.generate(ids, attention_mask=mask, **OPTIONS)), call
+    (row,) = prefills()
+    assert (row.state, row.calls, row.eager_calls, row.replays) == ("graphed", 4, 1, 3)
+    other, other_mask = left_padded(length=9, seed=2)  # a length seen once: eager, no key
+    got = autograph.generate(model, other, attention_mask=other_mask, **OPTIONS)
+    assert torch.equal(got, model.generate(other, attention_mask=other_mask, **OPTIONS))
+    assert len(prefills()) == 1
+    assert_graphed()
 
 
 def test_a_callers_cache_too_short_for_the_call_runs_model_generate(emulated):

@@ -1,4 +1,5 @@
-"""What the tests of ``autograph.generate`` share: prompts, the decode step's stats rows, and a
+"""What the tests of ``autograph.generate`` share: prompts, the decode step's and the prefill's
+stats rows, and a
 count of the host reads a call makes."""
 
 import torch
@@ -21,6 +22,11 @@ def left_padded(rows=3, length=6, vocab=256, seed=1):
 def decode_steps():
     """The stats rows of every live ``autograph.generate`` decode step."""
     return [row for row in autograph.stats() if row.function.startswith("generate_decode_step[")]
+
+
+def prefills():
+    """The stats rows of every live ``autograph.generate`` prefill graphed."""
+    return [row for row in autograph.stats() if row.function.startswith("generate_prefill[")]
 
 
 def replays():
