@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional
@@ -196,6 +197,7 @@ class KeyLife:
         "bucket",
         "sizes",
         "trains",
+        "builds_graph",
         "payoff",
         "gain",
         "checks_left",
@@ -241,6 +243,9 @@ class KeyLife:
         self.state_written: List[Tensor] = []
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
+        # Whether its watched warmup could build an autograd graph (None: no warmup ran); an
+        # eager call that cannot runs on the caller's stream (``run_eagerly``).
+        self.builds_graph: Optional[bool] = None
         # The process groups its warmup ran collectives on: their ranks agree on its capture.
         self.groups: List[Any] = []
         self.sizes: Dict[int, int] = {}  # a bucket's calls by their real size
@@ -332,9 +337,12 @@ class KeyLife:
     def run_eagerly(self, c: Call, watched: bool = False) -> Any:
         self.eager_calls += 1
         c.note(self, "eager_calls")
+        # On the capture stream, where an autograd graph it builds belongs (``eager_stream``);
+        # on the caller's when its watched warmup showed it reads nothing that needs gradients
+        # (no AccumulateGrad node is made): two cross-stream waits less a call.
         streams = (
             contextlib.nullcontext()
-            if self.backend is None
+            if self.backend is None or self.builds_graph is False
             else self.backend.eager_stream(self.device)
         )
         with eager_scope(self), profile_range("eager", self.function.name, self.label), streams:
@@ -381,6 +389,11 @@ class KeyLife:
             isinstance(o, Tensor) and o.requires_grad for o in leaves
         ):
             self.trains = True  # a closed-over parameter needs gradients
+        # No leaf that needs gradients among its arguments and what it read by address, and
+        # none among its outputs (a tensor made inside with requires_grad=True): no graph.
+        self.builds_graph = self.trains or any(
+            t.requires_grad for t in itertools.chain(c.tensors, watch.external.values())
+        )
         return outputs
 
     # ---- capture ----
@@ -500,6 +513,7 @@ def _invalidate(life: KeyLife) -> None:
     graph, life.graph = life.graph, None
     graph.release()
     life.trains = life.trains or graph.unfrozen  # its outputs will need gradients now
+    life.builds_graph = life.builds_graph or graph.unfrozen
     life.recaptures += 1
     if life.recaptures > MAX_RECAPTURES:
         life.fall_back(graph.changed_again(MAX_RECAPTURES))

@@ -198,6 +198,63 @@ def test_on_stream_switches_the_stream_and_gives_the_caller_back_after_an_error(
     assert current_stream(device) is current_stream(device)  # one object per stream
 
 
+@pytest.mark.parametrize("needs_gradients", [False, True], ids=["frozen", "trained"])
+def test_an_eager_key_under_grad_mode_leaves_the_stream_only_to_build_a_graph(
+    caught, needs_gradients
+):
+    # Eager calls run on the capture stream where they may make AccumulateGrad nodes (which a
+    # later backward capture must find there); one that reads nothing that needs gradients
+    # makes none, and two cross-stream waits a call were all it paid.
+    w = torch.randn(8, 8, device="cuda", requires_grad=needs_gradients)
+    streams = []
+
+    def scaled(x):
+        streams.append(torch.cuda.current_stream())
+        return (x @ w) * float(x.sum().item())  # a host read: the key runs eagerly
+
+    graphed = autograph.graphed(scaled)
+    for _ in range(5):
+        x = torch.randn(4, 8, device="cuda")
+        out = graphed(x)
+        torch.testing.assert_close(out, (x @ w) * float(x.sum().item()))
+    (row,) = graphed.stats()
+    assert row.state == "eager" and "item" in row.fallback_reason
+    caller = torch.cuda.current_stream()
+    assert (streams[-1] != caller) == needs_gradients
+    if needs_gradients:
+        out.sum().backward()
+        torch.testing.assert_close(w.grad, x.sum() * x.sum(0)[:, None].expand(8, 8))
+
+
+def test_an_eager_key_unfrozen_after_its_warmup_leaves_every_gradient_right(caught):
+    # Its warmup read nothing that needs gradients, so its eager calls stay on the caller's
+    # stream; unfrozen later, it makes w's AccumulateGrad node there, which a training
+    # capture over w must then cope with while the node lives.
+    w = torch.randn(8, 8, device="cuda")
+
+    def scaled(x):
+        return (x @ w) * float(x.sum().item())  # a host read: the key runs eagerly
+
+    eager_key = autograph.graphed(scaled)
+    for _ in range(3):
+        eager_key(torch.randn(4, 8, device="cuda"))
+    w.requires_grad_(True)
+    x = torch.randn(4, 8, device="cuda")
+    kept = eager_key(x)  # its autograd graph, and w's node, alive through the loop below
+
+    @autograph.graphed
+    def train(x):
+        return torch.relu(x @ w).sum()
+
+    for _ in range(4):
+        w.grad = None
+        train(x).backward()
+        torch.testing.assert_close(w.grad, x.T @ (x @ w > 0).to(x.dtype))
+    w.grad = None
+    kept.sum().backward()
+    torch.testing.assert_close(w.grad, x.sum() * x.sum(0)[:, None].expand(8, 8))
+
+
 def test_reset_gives_the_memory_back():
     @autograph.graphed
     def f(x):
