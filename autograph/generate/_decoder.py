@@ -141,9 +141,8 @@ class Decoder:
         self._step = graphed(static_argnames=("token",), buckets=None)(step)
         name = f"generate_prefill[{type(model).__name__}, {rows} rows]"
         # max_graphs past PREFILL_GRAPHS: this decoder chooses which lengths are graphed.
-        self._prefill = graphed(buckets=None, max_graphs=2 * PREFILL_GRAPHS)(
-            prefill_of(self.forward, self.state, name)
-        )
+        self._eager_prefill = prefill_of(self.forward, self.state, name)
+        self._prefill = graphed(buckets=None, max_graphs=2 * PREFILL_GRAPHS)(self._eager_prefill)
         self.prompt_lengths: Dict[int, int] = {}  # calls seen per prompt length
 
     @property
@@ -176,7 +175,7 @@ class Decoder:
             self._prefill(*arguments)
             return
         with nested_calls():  # an enclosing region's: this call is autograph.generate's own
-            self._prefill.__wrapped__(*arguments)
+            self._eager_prefill(*arguments)
 
     def _graphs_prefill(self, length: int) -> bool:
         """Whether the prefill of a prompt of ``length`` tokens is a graphed call: from the
