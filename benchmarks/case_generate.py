@@ -1,5 +1,5 @@
 """(h) HF text generation end to end: the Llama of case (b) (8 layers, hidden 512, bf16),
-8-token prompts, 64 new tokens, greedy, at batch 1 and 8, five ways side by side in one process:
+8-token prompts, 64 new tokens, greedy, at batch 1 and 8, six ways side by side in one process:
 
 - ``model.generate`` eagerly (its default DynamicCache);
 - ``model.generate`` in ``autograph.region()`` with the caller's StaticCache (reset in place
@@ -9,7 +9,9 @@
   decode forward on CUDA);
 - ``autograph.generate``: each decode step one graph replay, the host checking the end every 8
   tokens;
-- ``autograph.generate(compile=True)``: the graphed step is ``torch.compile(step)``.
+- ``autograph.generate(compile=True)``: the graphed step is ``torch.compile(step)``;
+- on CUDA, the reference: a hand-written loop replaying one ``torch.cuda.graph`` of the decode
+  step per token (``_HandWritten``: autograph.generate's forward and mask, then an argmax).
 
 Tokens per second (median of interleaved rounds), each variant's first call in the process
 (its capture, or its compile, included), whether its tokens equal eager's and the region's
@@ -54,6 +56,62 @@ def _seconds(call, *args):
     return time.perf_counter() - start, out
 
 
+HAND_WRITTEN = "hand-written loop, one CUDA graph per token"
+
+
+class _HandWritten:
+    """The reference a serving engine writes by hand: a StaticCache of autograph.generate's
+    length, the decode step (the same forward over the same full-cache mask as
+    autograph.generate's step, then an argmax) captured once with ``torch.cuda.graph`` and
+    replayed for every token, nothing read on the host until the end. Greedy only, no end of
+    sequence: what its graph saves, with nothing of autograph in the loop."""
+
+    def __init__(self, transformers, config, model, rows, cache_name):
+        self.model, self.cache_name = model, cache_name
+        self.cache = transformers.StaticCache(config=config, max_cache_len=CACHE_LENGTH)
+
+        def longs(*shape):
+            return torch.zeros(shape, dtype=torch.long, device=device())
+
+        self.token, self.position, self.index = longs(rows, 1), longs(rows, 1), longs(1)
+        self.generated = longs(rows, NEW_TOKENS)
+        self.mask = torch.ones(rows, CACHE_LENGTH, dtype=torch.long, device=device())
+        self.graph = None
+
+    def _forward(self, ids, **kwargs):
+        cache = {self.cache_name: self.cache}
+        return self.model(input_ids=ids, use_cache=True, **cache, **kwargs).logits[:, -1:]
+
+    def _keep(self, logits):
+        self.token.copy_(logits.argmax(-1))
+        self.generated.index_copy_(1, self.index, self.token)
+        self.index.add_(1)
+
+    def _step(self):
+        self.position.add_(1)
+        self._keep(self._forward(self.token, attention_mask=self.mask, position_ids=self.position))
+
+    def __call__(self, ids):
+        self.cache.reset()
+        self.index.zero_()
+        self._keep(self._forward(ids))  # the prefill, eagerly
+        self.position.fill_(ids.shape[1] - 1)
+        steps = NEW_TOKENS - 1
+        if self.graph is None:  # torch's recipe: a warmup on a side stream, then the capture
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step()  # the first decode step, run eagerly
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()  # recorded, not run
+            steps -= 1
+        for _ in range(steps):
+            self.graph.replay()
+        return torch.cat([ids, self.generated], dim=1)
+
+
 def _variants(transformers, config, model, copies, with_compile):
     """{name: call}, each on its own copy of the model (graphs and compiled code are kept per
     model), the same copies at every batch size."""
@@ -78,6 +136,17 @@ def _variants(transformers, config, model, copies, with_compile):
         REGION: in_region,
         "autograph.generate": lambda ids: autograph.generate(copies["autograph"], ids, **greedy),
     }
+    if device() == "cuda":
+        rows = {}  # one hand-written loop per batch size, made at its first call
+
+        def hand_written(ids):
+            if ids.shape[0] not in rows:
+                rows[ids.shape[0]] = _HandWritten(
+                    transformers, config, copies["hand-written"], ids.shape[0], cache_name
+                )
+            return rows[ids.shape[0]](ids)
+
+        variants[HAND_WRITTEN] = hand_written
     if with_compile:
         variants['transformers compiled (cache_implementation="static")'] = lambda ids: copies[
             "compiled"
@@ -143,6 +212,8 @@ def _batch(rows_out, transformers, config, model, copies, rows, with_compile):
                 f"; its first call allocated {memory[name]:.1f} MiB (cache, state, "
                 f"graphs), graph_bytes {_graph_mib(rows):.1f} MiB"
             )
+        if name == "autograph.generate" and HAND_WRITTEN in rates:
+            note += f"; {rate / rates[HAND_WRITTEN]:.2f}x the hand-written loop"
         if name == "autograph.generate(compile=True)":
             note += f"; {rate / rates['autograph.generate']:.2f}x autograph.generate"
         add_row(
@@ -171,7 +242,7 @@ def case_generate(rows, with_compile):
         )  # CUDA and cuBLAS set up first
     copies = {
         name: copy.deepcopy(model)
-        for name in ("region", "compiled", "autograph", "autograph compile")
+        for name in ("region", "compiled", "autograph", "autograph compile", "hand-written")
     }
     for batch in (1, 8):
         _batch(rows, transformers, config, model, copies, batch, with_compile)

@@ -158,11 +158,17 @@ def _padded_run(
 
 
 def _fake_run_first(life: Any, c: Any, padded_call: Tuple[tuple, dict, Dict[int, Tensor]]) -> Any:
-    """The run on fake tensors (``_fake_run``) before the real padded run, where that run could
-    not decide the output dims alone (its family ran at no other size): a Python value that
-    changes with the batch size refuses the key before its per-bucket state is written."""
-    shapes = c.padding.shapes
-    if shapes.named is not None or set(shapes.runs) - {c.padding.bucket}:
+    """The run on fake tensors (``_fake_run``) before the real padded run, where the family has
+    run at the bucket's size only and could not decide the output dims (after ``capture()`` of
+    one bucket, or a call of the bucket's rows): that run, showing the same size again, could
+    not either, and the fake run would follow it. Made first, a Python value that changes with
+    the batch size refuses the key before its per-bucket state is written. A family with no
+    run yet runs padded first, as its run may decide alone (a function returning nothing)."""
+    padding = c.padding
+    shapes = padding.shapes
+    if shapes.named is not None or set(shapes.runs) != {padding.bucket}:
+        return None
+    if shapes.decide(padding.rows, padding.bucket).undecided is None:
         return None
     return _fake_run(life, c, *padded_call)
 

@@ -22,7 +22,7 @@ import logging
 import sys
 import threading
 import types
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -32,53 +32,53 @@ Tensor = torch.Tensor
 class WritesKept:
     """Python state the run writes a fake value to, put back as it was: a helper's counter
     (``TOKENS += n``), a debug dict (``LAST["x"] = x``), a class-level counter
-    (``Stats.rows += x.shape[0]``, ``type(self).n += 1``), an attribute of an object that a
-    call gets (``self.last = x``). A profile hook (this thread and this run only) copies, when
-    the run first calls into a module, that module's globals and the attributes of the classes
-    and plain objects among them, and, when a call of code outside torch gets an object, the
-    attributes of that object and of its class; the lists and dicts they hold are copied too.
-    What holds a fake value after the run is restored; other writes stay, as a warmup's would.
-    What the copies do not reach (an object two attributes away from any call's arguments and
-    any module's globals) is found after the run by ``left_behind``."""
+    (``Stats.rows += x.shape[0]``), an attribute of a module-level object (``REGISTRY.last =
+    n``). A profile hook (this thread and this run only) copies, when the run first calls into
+    a module, that module's globals and, outside torch, the attributes of the classes and plain
+    objects among them; the lists and dicts they hold are copied too. What holds a fake value
+    after the run is restored; other writes stay, as a warmup's would. What the copies do not
+    reach (an attribute of an object only an argument holds, beyond ``PythonState``'s walk) is
+    found after the run by ``left_behind``. Under another profile function (cProfile, a
+    debugger's), the hook is not installed, so as not to take its place: then only
+    ``left_behind`` stands guard.
+
+    One copy per module, not per call: copying each call's arguments made the run of a 2-layer
+    HF Llama three times slower (its Python calls are many), and a copied frame's locals
+    outlived the run in any traceback that kept it."""
 
     def __init__(self) -> None:
         self.kept: Dict[int, _Kept] = {}
-        self.before: Any = None
+        self.installed = False
 
     def __enter__(self) -> "WritesKept":
-        self.before = sys.getprofile()
-        sys.setprofile(self._on_event)
+        if sys.getprofile() is None:
+            sys.setprofile(self._on_event)
+            self.installed = True
         return self
 
     def _on_event(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             names = frame.f_globals
-            users = not str(names.get("__name__", "")).startswith(_NOT_STATE_OF)
             if id(names) not in self.kept:
                 self._keep(names, names)
-                for value in list(names.values()) if users else ():
-                    if _plain_object(value):
-                        self._keep(value, _attributes_of(value))
-            if users:
-                for value in list(frame.f_locals.values()):
-                    if _plain_object(value):
-                        self._keep(value, _attributes_of(value))
-                        self._keep(type(value), _attributes_of(type(value)))
-        if self.before is not None:
-            self.before(frame, event, arg)
+                if not str(names.get("__name__", "")).startswith(_NOT_STATE_OF):
+                    for value in list(names.values()):
+                        if _plain_object(value):
+                            self._keep(value, _attributes_of(value))
 
     def _keep(self, owner: Any, attributes: Any) -> None:
         if attributes is not None and id(attributes) not in self.kept:
             self.kept[id(attributes)] = _Kept(owner, attributes)
 
     def __exit__(self, *exc: Any) -> None:
-        sys.setprofile(self.before)
+        if self.installed:
+            sys.setprofile(None)
         for kept in self.kept.values():
             kept.restore()
 
 
-# Code whose calls' arguments and globals' objects are not the user's state: torch's own (its
-# fake tensors' machinery runs in Python under the hook), sympy's, and autograph's.
+# Code whose globals' objects are not the user's state: torch's own (its fake tensors'
+# machinery runs in Python under the hook), sympy's, and autograph's.
 _NOT_STATE_OF = ("torch", "sympy", "autograph")
 
 
@@ -195,12 +195,14 @@ class QuietLogs:
 
 def left_behind(shape_env: Any, outputs: Sequence[Any] = ()) -> List[str]:
     """Where fake values of the run over ``shape_env`` are still held once it is over and its
-    state put back: a fake tensor or symbolic number in an attribute, an entry or an item
-    that nothing copied before the run (an object two attributes away from every call's
-    arguments and every module's globals), in words (``'Stats.rows'``, ``"the .last of a
-    Holder"``). ``outputs``: the run's own output objects, whose fakes are no one else's.
+    state put back: a fake tensor or symbolic number in an attribute, an entry or an item that
+    nothing copied before the run (an object only an argument's attribute holds), in words
+    (``'Stats.rows'``, ``"the .last of a Holder"``). Not state: the run's own outputs
+    (``outputs``, and what they hold), a frame (of a traceback kept somewhere), a log record's
+    arguments (a handler that keeps records: pytest's; its text shows the symbol, but nothing
+    reads it as a number).
 
-    One pass over the objects the garbage collector tracks (about 0.2 s for 320,000 on the
+    One pass over the objects the garbage collector tracks (about 0.1-0.2 s for 350,000 on the
     development CPU), once per fake run; the places are looked up only if some are held."""
     found = _fakes_of(shape_env)
     if not found:
@@ -208,18 +210,56 @@ def left_behind(shape_env: Any, outputs: Sequence[Any] = ()) -> List[str]:
     del found
     gc.collect()  # a cycle the run left as garbage is no one's
     found = _fakes_of(shape_env)
-    ignored = {id(found), id(sys._getframe())}
-    ignored |= {id(o) for o in outputs} | {id(getattr(o, "__dict__", None)) for o in outputs}
-    ignored |= {id(o) for o in found}
-    holders = [h for h in gc.get_referrers(*found) if id(h) not in ignored]
+    mine = {id(found), id(sys._getframe())}
+    holders = [h for h in gc.get_referrers(*found) if id(h) not in mine]
     # (before ``_place``, which makes an object's inline attributes a dict of their own)
     held = {id(f) for h in holders for f in gc.get_referents(h)}
-    places = {_place(holder, found) for holder in holders if not isinstance(holder, _FRAME)}
+    not_state = {id(o) for o in outputs} | {id(getattr(o, "__dict__", None)) for o in outputs}
+    not_state |= {id(o) for o in found} | _logged(holders)
+    places = {
+        _place(holder, found)
+        for holder in holders
+        if id(holder) not in not_state and not isinstance(holder, _FRAME)
+    }
     if any(id(f) not in held for f in found):
         # Alive, yet held by nothing the collector shows: an object frozen by gc.freeze()
         # (a pre-forking server's, autograph's own during a capture) is not searched.
         places.add("an object autograph cannot name (one frozen by gc.freeze() is not searched)")
     return sorted(places)
+
+
+# What keeps the run's leftovers without being anyone's state: a traceback's frames, an
+# exception raised inside the run (its arguments), a log record.
+_LEFTOVERS = (types.FrameType, types.TracebackType, BaseException, logging.LogRecord)
+
+
+def _logged(holders: List[Any]) -> Set[int]:
+    """The ids of the tuples, lists and dicts among ``holders`` that only ``_LEFTOVERS`` hold
+    (a record's arguments, an exception's, a traceback's locals): no one's state."""
+    containers = [h for h in holders if type(h) in (tuple, list, dict)]
+    if not containers:
+        return set()
+    wanted = {id(c) for c in containers}
+    owners: Dict[int, List[Any]] = {i: [] for i in wanted}
+    skipped = {id(holders), id(containers), id(sys._getframe())}
+    for referrer in gc.get_referrers(*containers):
+        if id(referrer) not in skipped:
+            for held in gc.get_referents(referrer):
+                if id(held) in owners:
+                    owners[id(held)].append(referrer)
+    dicts = [o for found in owners.values() for o in found if type(o) is dict]
+    records = {
+        id(d)
+        for record in (gc.get_referrers(*dicts) if dicts else ())
+        if isinstance(record, logging.LogRecord)
+        for d in dicts
+        if record.__dict__ is d
+    }
+    return {
+        i
+        for i, found in owners.items()
+        if all(isinstance(o, _LEFTOVERS) or id(o) in records for o in found)
+    }
 
 
 def _fakes_of(shape_env: Any) -> List[Any]:

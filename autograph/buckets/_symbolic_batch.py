@@ -114,6 +114,10 @@ def _run(
             return None, []
         finally:
             swapped.restore()
+            # A traceback the function kept (logged with exc_info) keeps this frame: then it
+            # holds no fake tensor of the arguments' (``left_behind`` would find them).
+            fakes.made.clear()
+            fakes.reals.clear()
     leaves = [_recipe(leaf) for leaf in tree_flatten(outputs)[0]]
     return _of_the_batch(shape_env, fakes, leaves), [w for kind, w in leaves if kind == "other"]
 

@@ -6,7 +6,9 @@ Each test failed on the engine of 70aa60d (issue 22); the wiring of ``_batch_dim
 ``_row_mixing`` and ``_bucket_runs`` makes them pass."""
 
 import dataclasses
+import logging
 import random
+import sys
 
 import pytest
 import torch
@@ -473,8 +475,56 @@ def test_a_fake_value_the_run_cannot_put_back_is_said_loudly(device):
         assert BOXES["rows"].value == 3  # eager from now on, as called
         assert torch.equal(cache.kv[:3, 0], x)
     rows = autograph.stats(update)
-    assert len(rows) == 2 and all(r.state == "eager" for r in rows)
+    assert len(rows) == 2 and all(r.replays == 0 and r.eager_calls == r.calls for r in rows)
     assert all("left fake values" in r.fallback_reason for r in rows)
+
+
+def test_what_a_kept_log_record_holds_of_the_fake_run_is_no_ones_state(device, caplog):
+    # Found by a hostile review: pytest keeps each log record, and a record's arguments (or
+    # an exception's traceback, logged with exc_info) held the run's symbolic size; that was
+    # taken for state the run left, and a call that works eagerly raised in CI.
+    log = logging.getLogger("a_server")
+
+    def fused(x):
+        raise NotImplementedError("no fused kernel here")
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def step(x, cache):
+        cache.kv[: x.shape[0], 0] = x
+        log.warning("a batch of %s rows", x.shape[0])
+        try:
+            return fused(x)
+        except NotImplementedError:
+            log.warning("the slow path", exc_info=True)
+            return x * 2
+
+    cache = RowCache(4, device)
+    with caplog.at_level(logging.WARNING, logger="a_server"):
+        for _ in range(3):
+            x = torch.randn(3, 6, device=device)
+            torch.testing.assert_close(step(x, cache), x * 2)
+    assert states(step) == [("graphed", 3, 1, 2)]
+
+
+def test_the_fake_run_leaves_a_profiler_on(device):
+    # It once chained the profile function it found (cProfile's, which cannot be called),
+    # broke its own run and put that profiler back as a plain function.
+    import cProfile
+
+    @autograph.graphed(buckets=[4], static_argnames=("cache",))
+    def step(x, cache):
+        cache.kv[: x.shape[0], 0] = x
+        return x * 2
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        x = torch.randn(3, 6, device=device)
+        torch.testing.assert_close(step(x, RowCache(4, device)), x * 2)
+        on = sys.getprofile()
+    finally:
+        profiler.disable()
+    assert on is profiler
 
 
 def test_the_fake_run_takes_the_captures_path_through_capture_aware_code(device):
