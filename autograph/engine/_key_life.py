@@ -44,7 +44,7 @@ from ..capture._graph import Graph
 from ..capture._outputs import flatten_output
 from ..capture._recording import CaptureFailed, CaptureRequest
 from ..distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
-from ..policy._islands import eager_scope, in_an_island
+from ..policy._islands import drop_an_idle_island, eager_scope, in_an_island
 from ..policy._memory_budget import within_budget
 from ..policy._payoff import measurement, timed_call
 from ..policy._verify import checked_replay
@@ -346,7 +346,9 @@ class KeyLife:
             else self.backend.eager_stream(self.device)
         )
         with eager_scope(self), profile_range("eager", self.function.name, self.label), streams:
-            return run_call(self, c, watched)
+            outputs = run_call(self, c, watched)
+        drop_an_idle_island(self)
+        return outputs
 
     def _warmup(self, c: Call) -> Any:
         self.eager_calls += 1
