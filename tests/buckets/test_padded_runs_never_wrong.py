@@ -506,10 +506,16 @@ def test_what_a_kept_log_record_holds_of_the_fake_run_is_no_ones_state(device, c
     assert states(step) == [("graphed", 3, 1, 2)]
 
 
+def after_the_call():
+    return None
+
+
 def test_the_fake_run_leaves_a_profiler_on(device):
-    # It once chained the profile function it found (cProfile's, which cannot be called),
-    # broke its own run and put that profiler back as a plain function.
+    # It once chained the profile function it found (cProfile's before Python 3.12, which
+    # cannot be called), broke its own run and put that profiler back as a plain function:
+    # profiling stopped. (From 3.12 cProfile uses sys.monitoring, and sys.getprofile() is None.)
     import cProfile
+    import pstats
 
     @autograph.graphed(buckets=[4], static_argnames=("cache",))
     def step(x, cache):
@@ -519,12 +525,16 @@ def test_the_fake_run_leaves_a_profiler_on(device):
     profiler = cProfile.Profile()
     profiler.enable()
     try:
+        before = sys.getprofile()
         x = torch.randn(3, 6, device=device)
         torch.testing.assert_close(step(x, RowCache(4, device)), x * 2)
-        on = sys.getprofile()
+        after = sys.getprofile()
+        after_the_call()
     finally:
         profiler.disable()
-    assert on is profiler
+    assert after is before
+    names = {name for _, _, name in pstats.Stats(profiler).stats}
+    assert "after_the_call" in names
 
 
 def test_the_fake_run_takes_the_captures_path_through_capture_aware_code(device):
