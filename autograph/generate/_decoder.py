@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
@@ -84,9 +84,11 @@ def decode_step_of(forward: ModelCall, state: DecodeState, name: str) -> Callabl
     return decode_step
 
 
-def prefill_of(forward: ModelCall, state: DecodeState, name: str) -> Callable[..., None]:
-    """The function a prompt's prefill is captured from: the forward over the prompt (which
-    writes the cache's first positions) and the choice of the first token."""
+def prefill_of(forward: ModelCall, name: str) -> Callable[..., torch.Tensor]:
+    """The function a prompt's prefill is captured from: the forward over the prompt, which
+    writes the cache's first positions, giving the last position's logits. The first token is
+    chosen from them outside the graph, so that the recipe (sampling options) is no part of
+    the prefill's key: a length has one key per mask and positions, whatever the options."""
 
     def prefill(
         model: Any,
@@ -94,16 +96,16 @@ def prefill_of(forward: ModelCall, state: DecodeState, name: str) -> Callable[..
         prompt: torch.Tensor,
         mask: Optional[torch.Tensor],
         positions: Optional[torch.Tensor],
-        recipe: Recipe,
-    ) -> None:
-        choose(state, forward(model, cache, prompt, mask, positions), recipe)
+    ) -> torch.Tensor:
+        return forward(model, cache, prompt, mask, positions)
 
     prefill.__qualname__ = prefill.__name__ = name
     return prefill
 
 
 # Prompt lengths whose prefill a decoder graphs: a length from its second call on (its third
-# replays), the first lengths to repeat; others prefill eagerly.
+# replays), the first lengths to repeat; others prefill eagerly. A length has a key for each
+# way a call gives its mask and positions (two at most), hence max_graphs=2x.
 PREFILL_GRAPHS = 8
 
 
@@ -140,10 +142,10 @@ class Decoder:
         # decoder's already); its other options apply as to any graphed function.
         self._step = graphed(static_argnames=("token",), buckets=None)(step)
         name = f"generate_prefill[{type(model).__name__}, {rows} rows]"
-        # max_graphs past PREFILL_GRAPHS: this decoder chooses which lengths are graphed.
-        self._eager_prefill = prefill_of(self.forward, self.state, name)
+        self._eager_prefill = prefill_of(self.forward, name)
         self._prefill = graphed(buckets=None, max_graphs=2 * PREFILL_GRAPHS)(self._eager_prefill)
         self.prompt_lengths: Dict[int, int] = {}  # calls seen per prompt length
+        self.graphed_lengths: Set[int] = set()  # the lengths chosen, at most PREFILL_GRAPHS
 
     @property
     def cache(self) -> Any:
@@ -169,25 +171,31 @@ class Decoder:
             spread(plan.prompt),
             spread(plan.mask) if plan.padded else None,
             positions,
-            plan.recipe,
         )
         if self._graphs_prefill(plan.prompt.shape[1]):
-            self._prefill(*arguments)
-            return
-        with nested_calls():  # an enclosing region's: this call is autograph.generate's own
-            self._eager_prefill(*arguments)
+            logits = self._prefill(*arguments)
+        else:
+            with nested_calls():  # an enclosing region's: this call is autograph.generate's own
+                logits = self._eager_prefill(*arguments)
+        choose(state, logits, plan.recipe)
 
     def _graphs_prefill(self, length: int) -> bool:
         """Whether the prefill of a prompt of ``length`` tokens is a graphed call: from the
-        second call of that length, for the first ``PREFILL_GRAPHS`` lengths to repeat. A
-        length seen once stays eager, so prompts of ever new lengths cost no warmups."""
+        second call of that length, for the first ``PREFILL_GRAPHS`` lengths to repeat (those
+        stay chosen). A length seen once stays eager, so prompts of ever new lengths cost no
+        warmups; past 32 such lengths they are forgotten (a workload that cycles through more
+        lengths than that prefills eagerly)."""
+        if length in self.graphed_lengths:
+            return True
         seen = self.prompt_lengths
         calls = seen[length] = seen.get(length, 0) + 1
-        graphed_lengths = sum(n > 1 for n in seen.values())
-        if len(seen) > 4 * PREFILL_GRAPHS and calls == 1:  # forget lengths seen once
+        if calls == 1 and len(seen) > 4 * PREFILL_GRAPHS:  # forget lengths seen once
             for other in [n for n, c in seen.items() if c == 1 and n != length]:
                 del seen[other]
-        return calls > 1 and graphed_lengths <= PREFILL_GRAPHS
+        if calls > 1 and len(self.graphed_lengths) < PREFILL_GRAPHS:
+            self.graphed_lengths.add(length)
+            return True
+        return False
 
     def result(self, plan: Any) -> torch.Tensor:
         """The prompt and the tokens model.generate would return (one host read: their count);

@@ -10,6 +10,7 @@ import torch
 
 import autograph
 
+from conftest import autograph_warnings
 from helpers.generation import assert_graphed, decode_steps, left_padded, prefills
 from helpers.models import tiny_decoder
 
@@ -56,6 +57,43 @@ def test_a_prompt_length_that_repeats_prefills_from_a_graph(emulated):
     assert torch.equal(got, model.generate(other, attention_mask=other_mask, **OPTIONS))
     assert len(prefills()) == 1
     assert_graphed()
+
+
+def test_the_prompt_lengths_chosen_for_graphs_stay_graphed(emulated, caught):
+    # Found by a hostile review: once a ninth length repeated, no length's prefill replayed
+    # (their graphs held, unused); and one length under 20 sampling options made 20 prefill
+    # keys, warning of max_graphs, an option autograph.generate does not take.
+    _, _, model = tiny_decoder("llama")
+    options = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+    for length in range(3, 13):  # ten lengths, each twice: the first eight are chosen
+        ids = torch.randint(3, 200, (1, length))
+        for _ in range(2):
+            autograph.generate(model, ids, **options)
+    before = {row.function + row.key: row.replays for row in prefills()}
+    for length in range(3, 11):
+        autograph.generate(model, torch.randint(3, 200, (1, length)), **options)
+    after = {row.function + row.key: row.replays for row in prefills()}
+    assert len(after) == 8 and all(after[k] == before[k] + 1 for k in before)
+    ids = torch.randint(3, 200, (1, 6))
+    for temperature in (0.5, 0.7, 0.9, 1.1, 1.3, 1.5):
+        torch.manual_seed(0)
+        got = autograph.generate(
+            model,
+            ids,
+            do_sample=True,
+            temperature=temperature,
+            **{k: v for k, v in options.items() if k != "do_sample"},
+        )
+        torch.manual_seed(0)
+        expected = model.generate(
+            ids,
+            do_sample=True,
+            temperature=temperature,
+            **{k: v for k, v in options.items() if k != "do_sample"},
+        )
+        assert torch.equal(got, expected), temperature
+    assert len(prefills()) == 8  # one key for length 6, whatever the options
+    assert not [w for w in autograph_warnings(caught) if "max_graphs" in w]
 
 
 def test_a_callers_cache_too_short_for_the_call_runs_model_generate(emulated):
