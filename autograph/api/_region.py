@@ -55,6 +55,7 @@ class Region:
         self.enabled = enabled
         self.explicit = explicit
         self.island = island  # a key's island (``_islands``): its fallbacks are not warned
+        self.idle_calls = 0  # an island's calls that made no module call (``_islands``)
         self.options_key = Options(**explicit)  # validated now, not at the first call
         self.pools = Pools()
         self.captures = self.replays = self.eager_calls = self.passed_through = 0

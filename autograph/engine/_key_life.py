@@ -348,6 +348,11 @@ class KeyLife:
         with eager_scope(self), profile_range("eager", self.function.name, self.label), streams:
             outputs = run_call(self, c, watched)
         drop_an_idle_island(self)
+        if self.builds_graph is False and torch.is_grad_enabled() and _needs_gradients(outputs):
+            # Its warmup read nothing that needs gradients, but this call made a graph (a
+            # branch its warmup did not take, a parameter unfrozen since): from now on its
+            # calls run where autograd nodes belong.
+            self.builds_graph = True
         return outputs
 
     def _warmup(self, c: Call) -> Any:
@@ -507,6 +512,12 @@ class KeyLife:
 
     def stats(self) -> KeyStats:
         return _key_stats(self)
+
+
+def _needs_gradients(outputs: Any) -> bool:
+    if isinstance(outputs, Tensor):
+        return outputs.requires_grad
+    return any(isinstance(o, Tensor) and o.requires_grad for o in flatten_output(outputs)[0])
 
 
 def _invalidate(life: KeyLife) -> None:

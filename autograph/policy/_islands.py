@@ -59,18 +59,27 @@ def eager_scope(life: Any) -> ContextManager[Any]:
     return life.island
 
 
+# Eager calls of a key whose island made no module call before the island is dropped: a
+# function may call its modules only on some calls (a branch on the data).
+IDLE_CALLS = 8
+
+
 def drop_an_idle_island(life: Any) -> None:
-    """After an eager call of ``life``'s key: an island whose calls have made no module call
-    yet is dropped, and later eager calls run inside the call (``nested_calls``). Entering an
-    island, as any region, puts autograph's dispatcher in ``nn.Module.__call__`` and leaving it
-    takes it out: a change of torch's base class, which empties the attribute caches of every
-    module class, about 45 us each way on the H200's host (an eager key of a tiny function
-    took 136 us a call, against 47 us for the bare function); a function that calls no module
-    gains nothing from it."""
+    """After an eager call of ``life``'s key: an island in which ``IDLE_CALLS`` calls have made
+    no module call is dropped, and later eager calls run inside the call (``nested_calls``).
+    Entering an island, as any region, puts autograph's dispatcher in ``nn.Module.__call__``
+    and leaving it takes it out: a change of torch's base class, which empties the attribute
+    caches of every module class, about 45 us each way on the H200's host (an eager key of a
+    tiny function took 136 us a call, against 47 us for the bare function); a function that
+    calls no module gains nothing from it. A function whose module calls come only after
+    those calls (a rare branch) runs them eagerly, ungraphed, until ``reset``."""
     island = life.island
-    if island and not (
-        island.captures or island.replays or island.eager_calls or island.passed_through
-    ):
+    if not island:
+        return
+    if island.captures or island.replays or island.eager_calls or island.passed_through:
+        return
+    island.idle_calls += 1
+    if island.idle_calls >= IDLE_CALLS:
         life.island = NO_ISLAND
 
 
