@@ -206,7 +206,7 @@ def _fake_run(life: Any, c: Any, args: tuple, kwargs: dict, padded: Dict[int, Te
             f"output dims of a key with per-bucket state follow the batch left fake values in "
             f"{', '.join(run.left)}, where autograph could not put back what was there (it "
             f"puts back the state the key reaches, module globals, and the attributes of the "
-            f"objects and classes the function's calls get). That state is no longer what "
+            f"classes and objects among them). That state is no longer what "
             f"your program made it. Name the dims with bucket_outputs= (bucket_outputs=0: dim "
             f"0 of every tensor output), which makes no such run, or keep that state out of "
             f"the function; the key runs eagerly from now on."

@@ -9,7 +9,7 @@ found and named.
 
 The run executes the function's Python once more, with fake tensors and symbolic sizes in
 place of real ones. Whatever it writes to state that outlives it (a module's counter, a class
-attribute, an attribute of an object some call gets) would leave the caller's program holding
+attribute, an attribute of a module-level object) would leave the caller's program holding
 a symbolic size (``s26 + 4``, which ``range()`` later reads as its hint) or a fake tensor. What
 the copies taken during the run reach is put back; what they do not is found by the garbage
 collector after it, and said (docs/design.md, "Buckets").
