@@ -348,7 +348,13 @@ class KeyLife:
         with eager_scope(self), profile_range("eager", self.function.name, self.label), streams:
             outputs = run_call(self, c, watched)
         drop_an_idle_island(self)
-        if self.builds_graph is False and torch.is_grad_enabled() and _needs_gradients(outputs):
+        if (
+            self.builds_graph is False
+            and torch.is_grad_enabled()
+            and _need_gradients(
+                [outputs] if isinstance(outputs, Tensor) else flatten_output(outputs)[0]
+            )
+        ):
             # Its warmup read nothing that needs gradients, but this call made a graph (a
             # branch its warmup did not take, a parameter unfrozen since): from now on its
             # calls run where autograd nodes belong.
@@ -392,9 +398,7 @@ class KeyLife:
             ptr: weakref.ref(t.untyped_storage()) for ptr, t in watch.external.items()
         }
         self.state_written = [] if c.padding is None else state_written(c, watch)
-        if torch.is_grad_enabled() and any(
-            isinstance(o, Tensor) and o.requires_grad for o in leaves
-        ):
+        if torch.is_grad_enabled() and _need_gradients(leaves):
             self.trains = True  # a closed-over parameter needs gradients
         # No leaf that needs gradients among its arguments and what it read by address, and
         # none among its outputs (a tensor made inside with requires_grad=True): no graph.
@@ -514,10 +518,9 @@ class KeyLife:
         return _key_stats(self)
 
 
-def _needs_gradients(outputs: Any) -> bool:
-    if isinstance(outputs, Tensor):
-        return outputs.requires_grad
-    return any(isinstance(o, Tensor) and o.requires_grad for o in flatten_output(outputs)[0])
+def _need_gradients(leaves: List[Any]) -> bool:
+    """Whether any tensor among a call's output leaves needs gradients."""
+    return any(isinstance(o, Tensor) and o.requires_grad for o in leaves)
 
 
 def _invalidate(life: KeyLife) -> None:
