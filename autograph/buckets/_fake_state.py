@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
+from ..watch._python_values import users_module
+
 Tensor = torch.Tensor
 
 
@@ -34,8 +36,9 @@ class WritesKept:
     (``TOKENS += n``), a debug dict (``LAST["x"] = x``), a class-level counter
     (``Stats.rows += x.shape[0]``), an attribute of a module-level object (``REGISTRY.last =
     n``). A profile hook (this thread and this run only) copies, when the run first calls into
-    a module, that module's globals and, outside torch, the attributes of the classes and plain
-    objects among them; the lists and dicts they hold are copied too. What holds a fake value
+    a module, that module's globals and, in the caller's modules (``users_module``: not
+    Python's, torch's or autograph's), the attributes of the classes and plain objects among
+    them; the lists and dicts they hold are copied too. What holds a fake value
     after the run is restored; other writes stay, as a warmup's would. What the copies do not
     reach (an attribute of an object only an argument holds, beyond ``PythonState``'s walk) is
     found after the run by ``left_behind``. Under another profile function (cProfile, a
@@ -61,7 +64,7 @@ class WritesKept:
             names = frame.f_globals
             if id(names) not in self.kept:
                 self._keep(names, names)
-                if not str(names.get("__name__", "")).startswith(_NOT_STATE_OF):
+                if users_module(str(names.get("__name__", ""))):
                     for value in list(names.values()):
                         if _plain_object(value):
                             self._keep(value, _attributes_of(value))
@@ -75,11 +78,6 @@ class WritesKept:
             sys.setprofile(None)
         for kept in self.kept.values():
             kept.restore()
-
-
-# Code whose globals' objects are not the user's state: torch's own (its fake tensors'
-# machinery runs in Python under the hook), sympy's, and autograph's.
-_NOT_STATE_OF = ("torch", "sympy", "autograph")
 
 
 def _plain_object(value: Any) -> bool:

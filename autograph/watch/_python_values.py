@@ -167,9 +167,14 @@ def users_class(cls: type) -> bool:
     """Whether ``cls`` is the caller's, not Python's, torch's or autograph's own."""
     known = _USERS_CLASS.get(cls)
     if known is None:
-        module = getattr(cls, "__module__", None) or "builtins"
-        known = _USERS_CLASS[cls] = module.partition(".")[0] not in _NOT_USERS
+        known = _USERS_CLASS[cls] = users_module(getattr(cls, "__module__", None) or "builtins")
     return known
+
+
+def users_module(name: str) -> bool:
+    """Whether the module named ``name`` is the caller's, not Python's, torch's (sympy, its
+    symbolic shapes' own, too) or autograph's."""
+    return name.partition(".")[0] not in _NOT_USERS
 
 
 _USERS_CLASS: Dict[type, bool] = {}
@@ -181,6 +186,7 @@ _NOT_USERS = frozenset(
         "typing",
         "abc",
         "torch",
+        "sympy",
         "autograph",
         "operator",
         "collections",
