@@ -128,9 +128,11 @@ def _padded_run(
             shapes_at = _fake_run(life, c, args, kwargs, padded)
         if _noted_fake_evidence(padding, shapes_at):
             decision = padding.shapes.decide(rows, bucket)
-    if decision.dims is None:
-        if decision.refused is not None:
-            refuse(life, decision.refused)
+    at_rows = None
+    if decision.dims is None and decision.refused is not None:
+        refuse(life, decision.refused)
+        at_rows = _at_the_calls_rows(padding, leaves, shapes_at)
+    if decision.dims is None and at_rows is None:
         raise ValueError(
             f"{life.function.name}({life.label}): a call of {rows} rows ran padded to its "
             f"bucket of {bucket}, as every run of a key with per-bucket state (an argument "
@@ -149,12 +151,42 @@ def _padded_run(
         for i, t in padded.items():
             if t._version != versions[i]:
                 c.tensors[i].copy_(t.narrow(padding.dims[i][0], 0, rows))
+    if at_rows is not None:
+        return rebuild(at_rows)
     return rebuild(
         [
             real_rows(leaf, dims, rows) if isinstance(leaf, Tensor) else leaf
             for leaf, dims in zip(leaves, decision.dims)
         ]
     )
+
+
+def _at_the_calls_rows(padding: Any, leaves: List[Any], shapes_at: Any) -> Optional[List[Any]]:
+    """The outputs of a padded run that its family refuses (``x.shape[0]`` returned) as a run of
+    the call's own rows gives them, from its run on fake tensors: a tensor narrowed where that
+    run's dim is the bucket's size padded and the call's rows as called, a number made from the
+    size its value at the call's rows. None where the fake run shows other outputs than the
+    padded run did at the bucket's size, or a dim that changes otherwise. The padded run wrote
+    the per-bucket state already, and a run as called would write it again: this is the one
+    call of the key that is not run as called (the next ones are)."""
+    rows, bucket = padding.rows, padding.bucket
+    at_bucket = shapes_at(bucket) if shapes_at is not None else None
+    at_rows = shapes_at(rows) if at_bucket is not None else None
+    if at_rows is None or padding.shapes.runs.get(bucket) != [as_evidence(o) for o in at_bucket]:
+        return None
+    outputs = []
+    for leaf, fake in zip(leaves, at_rows):
+        if not isinstance(leaf, Tensor):
+            # A number at the call's rows (the fake run's); any other leaf is the padded run's.
+            outputs.append(fake if type(fake) in (int, float, bool) else leaf)
+            continue
+        if fake.dim() != leaf.dim():
+            return None
+        changed = tuple(d for d in range(leaf.dim()) if leaf.shape[d] != fake.shape[d])
+        if any((leaf.shape[d], fake.shape[d]) != (bucket, rows) for d in changed):
+            return None
+        outputs.append(real_rows(leaf, changed, rows))
+    return outputs
 
 
 def _fake_run_first(life: Any, c: Any, padded_call: Tuple[tuple, dict, Dict[int, Tensor]]) -> Any:

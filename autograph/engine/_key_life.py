@@ -374,7 +374,8 @@ class KeyLife:
                 self.warmups += 1
                 return outputs
             outputs = self.watched_warmup(c)
-        self.phase = CAPTURE
+        if self.phase == WARMUP:  # not where the warmup made the key eager (a bucket refused)
+            self.phase = CAPTURE
         return outputs
 
     def watched_warmup(self, c: Call) -> Any:

@@ -158,6 +158,60 @@ def test_a_number_made_from_the_size_after_capture_of_one_bucket_runs_eagerly_an
     assert row.replays == 0 and reason in row.fallback_reason
 
 
+@pytest.mark.parametrize(
+    "returned, value",
+    [
+        (lambda x: 1.0 / x.shape[0], lambda n: 1.0 / n),
+        (lambda x: x.shape[0], lambda n: n),
+        (lambda x: x.shape[0] > 3, lambda n: n > 3),
+    ],
+    ids=["1/rows", "rows", "bool"],
+)
+def test_a_number_made_from_the_size_at_a_familys_first_call_is_the_calls_own(
+    device, caught, returned, value
+):
+    # Once raised ValueError at the first call: its padded run had written the cache when its
+    # outputs showed a number that changes with the size. That call's outputs now come from
+    # its run on fake tensors at the call's rows (the padded run writes the cache once), and
+    # the calls after it run eagerly, as called.
+    @autograph.graphed(buckets=[4, 8], static_argnames=("cache",))
+    def accumulate(x, cache):
+        cache.kv[: x.shape[0]] += x
+        return x * 2, returned(x)
+
+    cache = Cache(4, device)
+    expected = cache.kv.clone()
+    for _ in range(4):
+        x = torch.randn(3, 2, device=device)
+        out, number = accumulate(x, cache)
+        expected[:3] += x
+        assert out.shape == (3, 2) and torch.equal(out, x * 2)
+        assert number == value(3) and type(number) is type(value(3))
+        assert torch.equal(cache.kv, expected)
+    reason = "output 1 is a Python value that changes with the batch size"
+    (row,) = autograph.stats(accumulate)
+    assert row.state == "eager" and row.replays == 0 and row.eager_calls == 4
+    assert reason in row.fallback_reason
+    assert sum(reason in w for w in autograph_warnings(caught)) == 1
+
+
+def test_a_stateless_key_refused_at_its_warmup_is_never_captured(device, caught):
+    # Its warmup ran as called and refused it (the bucket of 8 had shown another size), and
+    # the end of the warmup made it a key to capture again: its next call captured a graph
+    # only to throw it away.
+    @autograph.graphed(buckets=[4, 8])
+    def rows(x):
+        return x * 2, x.shape[0]
+
+    for n in (8, 8, 3, 3, 3):
+        x = torch.randn(n, 2, device=device)
+        out, number = rows(x)
+        assert torch.equal(out, x * 2) and number == n
+    by_bucket = {r.bucket: r for r in autograph.stats(rows)}
+    assert by_bucket[4].state == "eager" and by_bucket[4].capture_seconds is None
+    assert by_bucket[4].eager_calls == 3
+
+
 def test_the_keys_of_capture_are_not_churn(device, caught):
     sizes = list(range(1, 21))
 
