@@ -27,23 +27,18 @@ well.
 from __future__ import annotations
 
 import contextlib
-import random
-import sys
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Tuple
 
 import torch
 
 from .._profile import profile_range
 from ..capture._outputs import flatten_output, real_rows
 from ..policy._verify import verified_replay
-from ..watch._python_state import PythonState
 from ..watch._reads import storage_ptr
 from ..watch._size_reads import NumbersOf, size_read
-from ..watch._undo import generator_states
-from ._batch_dims import BatchShapes, as_evidence
 from ._buckets import padded_arguments
+from ._fake_evidence import at_the_calls_rows, noted_fake_evidence, refused_by, run_on_fake
 from ._row_mixing import SavedState, mixes_rows
-from ._symbolic_batch import symbolic_shapes
 
 Tensor = torch.Tensor
 
@@ -64,7 +59,7 @@ def run_call(life: Any, c: Any, watched: bool = False) -> Any:
             with torch.inference_mode(False):
                 padded_call = padded_arguments(c.args, c.kwargs, c.tensors, padding, padding.bucket)
             shapes_at = _fake_run_first(life, c, padded_call)
-            refused = _refused_by(padding, shapes_at)
+            refused = refused_by(padding, shapes_at)
         if refused is None:
             return _padded_run(life, c, padded_call, shapes_at, watched)
         # Its family's runs at other sizes, or its run on fake tensors, refused it: as called.
@@ -126,12 +121,12 @@ def _padded_run(
     if decision.undecided is not None:
         if shapes_at is None:
             shapes_at = _fake_run(life, c, args, kwargs, padded)
-        if _noted_fake_evidence(padding, shapes_at):
+        if noted_fake_evidence(padding, shapes_at):
             decision = padding.shapes.decide(rows, bucket)
     at_rows = None
     if decision.dims is None and decision.refused is not None:
         refuse(life, decision.refused)
-        at_rows = _at_the_calls_rows(padding, leaves, shapes_at)
+        at_rows = at_the_calls_rows(padding, leaves, shapes_at)
     if decision.dims is None and at_rows is None:
         raise ValueError(
             f"{life.function.name}({life.label}): a call of {rows} rows ran padded to its "
@@ -161,34 +156,6 @@ def _padded_run(
     )
 
 
-def _at_the_calls_rows(padding: Any, leaves: List[Any], shapes_at: Any) -> Optional[List[Any]]:
-    """The outputs of a padded run that its family refuses (``x.shape[0]`` returned) as a run of
-    the call's own rows gives them, from its run on fake tensors: a tensor narrowed where that
-    run's dim is the bucket's size padded and the call's rows as called, a number made from the
-    size its value at the call's rows. None where the fake run shows other outputs than the
-    padded run did at the bucket's size, or a dim that changes otherwise. The padded run wrote
-    the per-bucket state already, and a run as called would write it again: this is the one
-    call of the key that is not run as called (the next ones are)."""
-    rows, bucket = padding.rows, padding.bucket
-    at_bucket = shapes_at(bucket) if shapes_at is not None else None
-    at_rows = shapes_at(rows) if at_bucket is not None else None
-    if at_rows is None or padding.shapes.runs.get(bucket) != [as_evidence(o) for o in at_bucket]:
-        return None
-    outputs = []
-    for leaf, fake in zip(leaves, at_rows):
-        if not isinstance(leaf, Tensor):
-            # A number at the call's rows (the fake run's); any other leaf is the padded run's.
-            outputs.append(fake if type(fake) in (int, float, bool) else leaf)
-            continue
-        if fake.dim() != leaf.dim():
-            return None
-        changed = tuple(d for d in range(leaf.dim()) if leaf.shape[d] != fake.shape[d])
-        if any((leaf.shape[d], fake.shape[d]) != (bucket, rows) for d in changed):
-            return None
-        outputs.append(real_rows(leaf, changed, rows))
-    return outputs
-
-
 def _fake_run_first(life: Any, c: Any, padded_call: Tuple[tuple, dict, Dict[int, Tensor]]) -> Any:
     """The run on fake tensors (``_fake_run``) before the real padded run, where the family has
     run at the bucket's size only and could not decide the output dims (after ``capture()`` of
@@ -213,19 +180,8 @@ def _fake_run(life: Any, c: Any, args: tuple, kwargs: dict, padded: Dict[int, Te
     left fake values where nothing could put them back: that state is no longer what the
     caller's program made it, and saying so is all that is left to do."""
     padding = c.padding
-    if padding.shapes.fake_run_tried:
-        return None
-    padding.shapes.fake_run_tried = True
-    try:
-        run = symbolic_shapes(
-            c.call,
-            args,
-            kwargs,
-            [(t, padding.dims[i][0]) for i, t in padded.items()],
-            padding.bucket,
-            kept=_PutBack(life, c),
-        )
-    except Exception:  # noqa: BLE001 - evidence or none: the run never fails the call
+    run = run_on_fake(life, c, args, kwargs, padded)
+    if run is None:
         return None
     if run.left:
         padding.shapes.refused = (
@@ -244,77 +200,6 @@ def _fake_run(life: Any, c: Any, args: tuple, kwargs: dict, padded: Dict[int, Te
             f"the function; the key runs eagerly from now on."
         )
     return run.shapes_at
-
-
-class _PutBack:
-    """The Python state the call reaches (``PythonState``), torch's generators and Python's and
-    numpy's random generators, as they were before the block, after it."""
-
-    def __init__(self, life: Any, c: Any):
-        self.state = PythonState.of(life.function.roots(c), life.function.fn, restorable=True)
-
-    def __enter__(self) -> None:
-        self.generators = generator_states()
-        self.python_random = _python_random_states()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.state.restore()
-        for generator, before in self.generators:
-            generator.set_state(before)
-        for set_state, before in self.python_random:
-            set_state(before)
-
-
-def _second_size(padding: Any, shapes_at: Any) -> Optional[Tuple[int, List[Any]]]:
-    """A size other than the bucket's, not run yet, and the fake run's outputs there."""
-    bucket = padding.bucket
-    for size in (2 * bucket + 1, bucket + 1, bucket - 1):
-        leaves = shapes_at(size) if size >= 2 and size not in padding.shapes.runs else None
-        if leaves is not None:
-            return size, leaves
-    return None
-
-
-def _refused_by(padding: Any, shapes_at: Any) -> Optional[str]:
-    """Why the fake run's outputs at the bucket and a second size refuse the key, if they do.
-    Unchecked against a real run (none has run yet), they only ever refuse: a refused key runs
-    eagerly, as called, which is right whatever the fake run got wrong."""
-    at_bucket = shapes_at(padding.bucket) if shapes_at is not None else None
-    second = _second_size(padding, shapes_at) if at_bucket is not None else None
-    if second is None:
-        return None
-    trial = BatchShapes(padding.shapes.named)
-    trial.note(padding.bucket, at_bucket)
-    trial.note(*second)
-    return trial.decide(padding.rows, padding.bucket).refused
-
-
-def _noted_fake_evidence(padding: Any, shapes_at: Any) -> bool:
-    """Note the fake run's outputs at a second size in the family's ``BatchShapes``, if its
-    outputs at the bucket's size are the real run's; whether it did."""
-    if shapes_at is None:
-        return False
-    at_bucket = shapes_at(padding.bucket)
-    if at_bucket is None or padding.shapes.runs[padding.bucket] != [
-        as_evidence(o) for o in at_bucket
-    ]:
-        return False  # not the real run's shapes: no evidence
-    second = _second_size(padding, shapes_at)
-    if second is None:
-        return False
-    padding.shapes.note(*second)
-    return True
-
-
-def _python_random_states() -> List[Tuple[Any, Any]]:
-    """(setter, state) of Python's and, where imported, numpy's global random generators: the
-    run on fake tensors
-    draws from them as the function does, and must not."""
-    states: List[Tuple[Any, Any]] = [(random.setstate, random.getstate())]
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        states.append((numpy.random.set_state, numpy.random.get_state()))
-    return states
 
 
 def _say_it_ran_padded(life: Any, error: Exception, rows: int, bucket: int) -> None:
