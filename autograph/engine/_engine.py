@@ -284,7 +284,10 @@ class Engine:
         """Count a new key for the churn policy (``_churn``); say once when calls start to pass
         through."""
         churn = cache.churn
-        if not churn.new_key(cache.entries.values(), life.parts) or "churn" in cache.said:
+        passes = churn.new_key(cache.entries.values(), life.parts)
+        # Growth by one, or the key that starts a pass-through: it is not expected to repeat.
+        life.watch_later = (passes or churn.growing > 0) and life.bucket is None
+        if not passes or "churn" in cache.said:
             return
         cache.said.add("churn")
         warn_user(churn.warning(life.label))

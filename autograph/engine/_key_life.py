@@ -183,6 +183,7 @@ class KeyLife:
         "eager_calls",
         "replays",
         "warmups",
+        "watch_later",  # a new key not expected to repeat: its first call runs unwatched
         "recaptures",
         "reason",
         "strict_error",
@@ -229,6 +230,7 @@ class KeyLife:
         self.options, self.backend, self.device = options, backend, device
         self.phase = WARMUP
         self.calls = self.eager_calls = self.replays = self.warmups = self.recaptures = 0
+        self.watch_later = False
         self.reason: Optional[str] = None
         self.strict_error: Optional[str] = None  # raised on every call under strict=True
         self.graph: Any = None
@@ -309,7 +311,7 @@ class KeyLife:
                 return self.run_eagerly(c)
             _invalidate(self)
         if self.phase == WARMUP:
-            return self._warmup(c)
+            return _unwatched_first_call(self, c) if self.watch_later else self._warmup(c)
         if self.phase == CAPTURE:
             if _aliases_what_it_uses(c.tensors, self.written, _alive(self.by_address)):
                 return self.run_eagerly(c)
@@ -321,8 +323,7 @@ class KeyLife:
         return self.run_eagerly(c)
 
     def _observed_replay(self, c: Call) -> Any:
-        """A replay that verify mode checks against an eager run first, or that a profiler
-        records as a named range."""
+        """A replay verify mode checks against an eager run first, or a profiler names."""
         if self.checks_left or self.payoff:  # verify's checks first, then the payoff
             return checked_replay(self, c, run_call) if self.checks_left else timed_call(self, c)
         self.replays += 1
@@ -522,6 +523,18 @@ class KeyLife:
 def _need_gradients(leaves: List[Any]) -> bool:
     """Whether any tensor among a call's output leaves needs gradients."""
     return any(isinstance(o, Tensor) and o.requires_grad for o in leaves)
+
+
+def _unwatched_first_call(life: KeyLife, c: Call) -> Any:
+    """The first call of a new key the churn policy expects never to repeat (``watch_later``,
+    set by ``Engine._note_new_key``), run as a plain call: watched op by op, a warmup costs
+    several eager calls (HF generate()'s decode keys, each one position longer: docs/design.md,
+    "Never slower"), wasted on a key never called again. A second call is its warmup."""
+    life.watch_later = False
+    life.eager_calls += 1
+    c.note(life, "eager_calls")
+    with nested_calls():
+        return c.call(*c.args, **c.kwargs)
 
 
 def _invalidate(life: KeyLife) -> None:

@@ -17,6 +17,11 @@ calls are keyed again (a look); the first new key after a look passes through ag
 for twice as many calls (up to ``longest``); a look that meets known keys lets them warm up,
 capture and replay as usual, and the first replay seen at a new key ends the episode.
 
+A key ``new_key`` does not expect to repeat (one that grew by one, ``growing > 0``, or the one
+whose count starts a pass-through) runs its first call unwatched, as a plain call; the engine
+reads this right after ``new_key`` (``KeyLife.watch_later``). Its second call, if one comes,
+is its watched warmup.
+
 A key whose identity-keyed object died before it replayed (``key_died``) could never have
 replayed: its function is handed a new object per call (HF ``generate(cache_implementation=
 "static")`` builds a new StaticCache each time, and the prefill's key holds it). ``orphans``
