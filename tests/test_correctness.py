@@ -447,6 +447,43 @@ def test_a_server_sweeping_batch_sizes_with_a_fixed_argument_is_graphed_after_it
     assert sum(r.replays for r in keys) >= 0.8 * 320
 
 
+def test_a_long_sweep_whose_growing_keys_ran_unwatched_is_graphed_when_a_look_meets_one(
+    device, caught
+):
+    # Sizes 1..31 in turn look like growth by one, so each key's first call runs unwatched:
+    # a look that meets one again warms it up, and must end the episode as a replay would
+    # (without it the next new key passed through at once: 0 replays in 12 rounds).
+    w = torch.randn(8, 8, device=device)
+
+    @autograph.graphed
+    def step(x, w):
+        return x @ w + 1
+
+    for _ in range(12):
+        for rows in range(1, 32):
+            x = torch.randn(rows, 8, device=device)
+            torch.testing.assert_close(step(x, w), x @ w + 1)
+    keys = [r for r in step.stats() if r.key != "calls passed through (keys churn)"]
+    assert sum(r.replays for r in keys) >= 32, step.stats()
+
+
+def test_a_growing_key_with_two_warmups_is_captured_at_its_third_call(device, caught):
+    # With warmup=2 a key's first call is a plain warmup already: a growing key is not given
+    # an unwatched call more (it was: captured at its fourth call).
+    w = torch.randn(4, 4, device=device)
+    step = autograph.graphed(lambda x, w: x @ w + 1, warmup=2)
+    for rows in (1, 2, 2, 2, 2):
+        x = torch.randn(rows, 4, device=device)
+        torch.testing.assert_close(step(x, w), x @ w + 1)
+    (second,) = [r for r in step.stats() if "[2, 4]" in r.key]
+    assert (second.state, second.calls, second.eager_calls, second.replays) == (
+        "graphed",
+        4,
+        2,
+        2,
+    ), step.stats()
+
+
 def test_calls_passed_through_in_a_region_are_counted_by_it(device, caught):
     model = torch.nn.Linear(2, 2).to(device)
     with autograph.region() as region, torch.no_grad():

@@ -286,7 +286,10 @@ class Engine:
         churn = cache.churn
         passes = churn.new_key(cache.entries.values(), life.parts)
         # Growth by one, or the key that starts a pass-through: it is not expected to repeat.
-        life.watch_later = (passes or churn.growing > 0) and life.bucket is None
+        # (With warmup >= 2 its first call is a plain warmup anyway.)
+        life.watch_later = (
+            (passes or churn.growing > 0) and life.bucket is None and life.options.warmup < 2
+        )
         if not passes or "churn" in cache.said:
             return
         cache.said.add("churn")

@@ -311,7 +311,7 @@ class KeyLife:
                 return self.run_eagerly(c)
             _invalidate(self)
         if self.phase == WARMUP:
-            return _unwatched_first_call(self, c) if self.watch_later else self._warmup(c)
+            return _unwatched_first_call(self, c) if self.watch_later else _warm_up(self, c)
         if self.phase == CAPTURE:
             if _aliases_what_it_uses(c.tensors, self.written, _alive(self.by_address)):
                 return self.run_eagerly(c)
@@ -535,6 +535,14 @@ def _unwatched_first_call(life: KeyLife, c: Call) -> Any:
     c.note(life, "eager_calls")
     with nested_calls():
         return c.call(*c.args, **c.kwargs)
+
+
+def _warm_up(life: KeyLife, c: Call) -> Any:
+    """A warmup; the first of a key whose first call ran unwatched (its eager call counted,
+    no warmup) tells the churn policy that the key repeats (``Churn.met_again``)."""
+    if life.warmups == 0 and life.eager_calls == 1:
+        c.cache.churn.met_again()
+    return life._warmup(c)
 
 
 def _invalidate(life: KeyLife) -> None:

@@ -20,7 +20,7 @@ capture and replay as usual, and the first replay seen at a new key ends the epi
 A key ``new_key`` does not expect to repeat (one that grew by one, ``growing > 0``, or the one
 whose count starts a pass-through) runs its first call unwatched, as a plain call; the engine
 reads this right after ``new_key`` (``KeyLife.watch_later``). Its second call, if one comes,
-is its watched warmup.
+is its watched warmup, and ends a pass-through episode as a replay would (``met_again``).
 
 A key whose identity-keyed object died before it replayed (``key_died``) could never have
 replayed: its function is handed a new object per call (HF ``generate(cache_implementation=
@@ -157,6 +157,15 @@ class Churn:
             self._paid()
         elif entry.calls and not entry.replays:
             self.died_unused += 1
+
+    def met_again(self) -> None:
+        """A key whose first call ran unwatched (it was not expected to repeat) is called
+        again: the family repeats. Before, a look that met such a key captured it and its
+        replay ended the episode; now the key's second call is its watched warmup, so the
+        meeting ends the episode itself, else the next new key would pass through at once and
+        the key's capture wait for another look (a sweep over sizes 1..31, repeated, first
+        replayed in its 33rd round instead of its 8th)."""
+        self._paid()
 
     def _paid(self) -> None:
         """A graph replayed: the count starts over, and a pass-through episode ends (its calls
