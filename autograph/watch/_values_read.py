@@ -15,9 +15,11 @@ cross-attention K/V are computed or read; a global ``DEBUG = True``) is read her
 (``_python_values.is_atom``) held by the objects a call is keyed on by identity (an HF cache
 and everything it holds: the containers of its arguments are in the key by value, new on every
 call), by its default values, and by the globals and closure cells the code names, with the
-lengths of the dicts and lists of atoms among them. Each place is one C-level read
-(``operator.itemgetter`` over a namespace), compared as one list: 1.7 us for the 8 places of a
-2-layer ``EncoderDecoderCache`` on a loaded development CPU (about 0.2 us a place).
+lengths of the dicts and lists of atoms among them, and the attributes of a class the code
+names (a global ``Cfg`` whose ``scale`` the caller sets) among the names its code uses. Each
+place is one C-level read (``operator.itemgetter`` over a namespace), compared as one list:
+1.7 us for the 8 places of a 2-layer ``EncoderDecoderCache`` on a loaded development CPU
+(about 0.2 us a place).
 Not read: the attributes of modules (their ``training`` flag is part of the key; a plain
 attribute a caller flips between calls is a documented limit, README, that ``verify=``
 catches), the contents of a container the caller rebinds (the one the capture saw is read),
@@ -30,12 +32,24 @@ import collections
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+import types
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import torch
 
 from .._config import logger
-from ._python_values import MAX_ITEMS, SEQUENCES, class_of, ignored, is_atom
+from ._python_values import MAX_ITEMS, SEQUENCES, class_of, ignored, is_atom, users_class
 from ._reads import free_names, roots_of
 
 MAX_PLACES = 16  # namespaces read before each replay (the shallowest): ~1 us on a host
@@ -58,7 +72,7 @@ class ValuesRead:
         """The places that hold atoms reachable from a call's arguments (past the containers
         its key holds by value: they are new on every call) and from ``fn``'s default values,
         globals and cells; None where there is none (nothing to check)."""
-        places = _Places()
+        places = _Places(_names_used(getattr(getattr(fn, "__func__", fn), "__code__", None)))
         for name, place, key in free_names(fn):
             places.add_free(name, place, key)
         arguments = [
@@ -98,7 +112,8 @@ class ValuesRead:
 class _Places:
     """One walk from a call's roots, collecting a reader per namespace that holds atoms."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: FrozenSet[str] = frozenset()) -> None:
+        self._names = names  # the attribute names the code uses: those of a class it reads
         self.readers: List[Reader] = []
         self.labels: List[Tuple[str, ...]] = []
         self._seen: Set[int] = set()
@@ -149,6 +164,8 @@ class _Places:
     ) -> List[Tuple[str, Any, int, bool]]:
         """Add ``obj``'s places; its children to walk."""
         cls = class_of(obj)
+        if isinstance(obj, type) and left > 0 and id(obj) not in self._seen:
+            return self._visit_class(path, obj)
         if (
             left <= 0
             or id(obj) in self._seen
@@ -188,8 +205,35 @@ class _Places:
         )
         return [(f"{path}.{k}", v, left - 1, False) for k, v in attributes.items()]
 
+    def _visit_class(self, path: str, cls: type) -> List[Tuple[str, Any, int, bool]]:
+        """A class the code names (``Cfg.scale``, set by the caller between calls): the atoms
+        among its own attributes that the code names, read as an object's are (a method of
+        the class that reads another is not followed). Not Python's, torch's or
+        autograph's classes, nor a module's class (its attributes are its code's), nor the
+        classes of the objects walked (an HF cache's class-level flags would take the places
+        its ``is_updated`` needs, past ``MAX_PLACES``)."""
+        self._seen.add(id(cls))
+        if users_class(cls) and not issubclass(cls, torch.nn.Module):
+            namespace = vars(cls)  # a live view of the class's attributes
+            attributes = _state_attributes(namespace)
+            self._add_items(
+                namespace,
+                [k for k, v in attributes.items() if k in self._names and is_atom(v)],
+                lambda k: f"{path}.{k}",
+            )
+        return []
 
-def _state_attributes(namespace: Dict[str, Any]) -> Dict[str, Any]:
+
+@functools.lru_cache(maxsize=1024)
+def _names_used(code: Optional[types.CodeType]) -> FrozenSet[str]:
+    """The global and attribute names ``code`` and the code nested in it use."""
+    if code is None:
+        return frozenset()
+    nested = (_names_used(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    return frozenset(code.co_names).union(*nested)
+
+
+def _state_attributes(namespace: Mapping[str, Any]) -> Dict[str, Any]:
     return {
         name: value
         for name, value in list(namespace.items())

@@ -1,7 +1,7 @@
 """Python values a call reads, changed between calls: a flag on a cache object reset by the caller,
 a stateful callable a module holds, a full deque, a dict of more than 256 entries, a class-level
-counter, torch's default dtype. Each gives eager's values; where the graph can stay right, a
-graph replays (docs/design.md, "What a replay assumes").
+counter, a class attribute, torch's default dtype. Each gives eager's values; where the graph can
+stay right, a graph replays (docs/design.md, "What a replay assumes").
 """
 
 import collections
@@ -68,6 +68,27 @@ def test_a_global_flag_changed_between_calls_is_read_again(device):
     _DOUBLE = False
     torch.testing.assert_close(f(x), x + 1, rtol=0, atol=0)
     assert states(f)[0][0] == "graphed" and states(f)[0][3] >= 2, states(f)
+
+
+class _Config:
+    scale = 1.0
+    calls = 0  # named nowhere in the function: not read
+
+
+def test_a_class_attribute_the_function_names_changed_between_calls_is_read_again(device):
+    @autograph.graphed
+    def f(x):
+        return x * _Config.scale
+
+    x = torch.randn(4, device=device)
+    for scale in (1.0, 1.0, 1.0, 3.0, 1.0, 3.0):
+        _Config.scale = scale
+        _Config.calls += 1
+        torch.testing.assert_close(f(x), x * scale, rtol=0, atol=0)
+    _Config.scale = 1.0
+    # A warmup and a capture at 1.0; the calls at 3.0 run eagerly, those at 1.0 replay (the
+    # counter the function does not name changes at every call and sends none of them eagerly).
+    assert states(f) == [("graphed", 6, 1 + 2, 3)], states(f)
 
 
 _DOUBLE = False
