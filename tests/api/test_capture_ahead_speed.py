@@ -8,6 +8,8 @@ import torch
 import autograph
 from autograph.engine._key_life import KeyLife
 
+from helpers.watched import watched_warmups
+
 
 def _noting_the_collector(monkeypatch):
     """Note, at every capture, whether the collector is on and how many objects are frozen (in
@@ -48,14 +50,7 @@ def test_what_the_process_froze_itself_stays_frozen(emulated, monkeypatch):
 
 
 def test_later_buckets_of_a_family_warm_up_unwatched_and_still_probe_right(emulated, monkeypatch):
-    watched = []
-    original = KeyLife.watched_warmup
-
-    def counted(life, c):
-        watched.append(life.bucket)
-        return original(life, c)
-
-    monkeypatch.setattr(KeyLife, "watched_warmup", counted)
+    watched = watched_warmups(monkeypatch, of=lambda life: life.bucket)
 
     # per-bucket state written by address: the probe of a first padded replay must save and
     # restore it, from what the capture's own watch saw (the warmup was not watched)

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import autograph
-from autograph.engine._key_life import KeyLife
 from autograph.testing import emulate_graphs_on_cpu
 
 from conftest import autograph_warnings, requires_cuda
 from helpers.models import generate_in_a_region, generating_llama, static_generate_runs
+from helpers.watched import watched_warmups
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,14 +43,7 @@ def test_generate_with_a_growing_mask_watches_one_decode_step_not_sixteen(monkey
     # whose key grew while calls passed through passes through again at once. Only the
     # prefill and the first decode step are watched op by op: a key one longer than the
     # last is not expected to repeat, so its first call runs as a plain call.
-    watched = []
-    original = KeyLife.watched_warmup
-
-    def counted(life, c):
-        watched.append(life.label)
-        return original(life, c)
-
-    monkeypatch.setattr(KeyLife, "watched_warmup", counted)
+    watched = watched_warmups(monkeypatch)
     model = generating_llama()
     ids = torch.randint(0, 256, (1, 8))
     mask = torch.ones_like(ids)
