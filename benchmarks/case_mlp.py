@@ -1,7 +1,10 @@
 """(a) A 32-layer Linear(512)+GELU MLP at batch 1 in bf16: eager, a hand-written
 capture/replay loop, make_graphed_callables, autograph (module and function),
 torch.compile(mode="reduce-overhead"), and autograph around torch.compile (the compiled module,
-and a compiled step function). About 30 s on an H200 (compile 15 s of it)."""
+and a compiled step function). Then two more modules, eager, hand-written and autograph
+(module and function) timed in interleaved rounds: an 8-layer Linear(4096)+GELU MLP at batch
+64 in bf16, and torchvision's ResNet-18 at batch 1 in float32 (where torchvision is
+installed). About 45 s on an H200 (compile 15 s of it)."""
 
 from __future__ import annotations
 
@@ -12,17 +15,21 @@ import torch
 
 import autograph
 from autograph.cli._bench import (
+    add_row,
     compile_for_bench,
     device,
     hand_written,
     mlp,
     progress,
+    side_by_side,
     sync,
     timed,
     with_ratio,
 )
 
 NAME = "(a) MLP 32x512 bf16, batch 1"
+WIDE = "(a) MLP 8x4096 bf16, batch 64"
+RESNET = "(a) torchvision ResNet-18 fp32, batch 1"
 
 
 def first_calls(fn, example, calls=3):
@@ -40,7 +47,53 @@ def compiled(fn, example, calls=3):
     return compiled_fn, first_calls(compiled_fn, example, calls)
 
 
+def module_rows(rows, name, model, x):
+    """Eager, hand-written, ``graphed(module)`` and ``graphed(function)`` of one module, timed
+    in interleaved rounds (their ratios are a few percent: a drift of the host between
+    variants timed one after the other would be as large), outputs checked equal."""
+    with torch.no_grad():
+        hand = hand_written(model, [x])
+        graphed_module = autograph.graphed(copy.deepcopy(model))
+        inner = copy.deepcopy(model)
+        step = autograph.graphed(lambda x: inner(x))
+        variants = {
+            "eager": lambda: model(x),
+            "hand-written capture/replay": lambda: hand(x),
+            "autograph.graphed(module)": lambda: graphed_module(x),
+            "autograph.graphed(function)": lambda: step(x),
+        }
+        medians = side_by_side(variants)
+        expected = model(x)
+        for out in (hand(x), graphed_module(x), step(x)):
+            torch.testing.assert_close(out, expected)
+    kinds = {"eager": "eager", "hand-written capture/replay": "hand"}
+    for variant, us in medians.items():
+        add_row(rows, name, variant, us, kind=kinds.get(variant, "autograph"))
+        if variant.startswith("autograph"):
+            states = ", ".join(r.state for r in autograph.stats(graphed_module))
+            rows[-1]["note"] = f"keys: {states}" if "module" in variant else ""
+            with_ratio(rows, us, medians["hand-written capture/replay"])
+
+
 def case_mlp(rows, with_compile):
+    _case_mlp(rows, with_compile)
+    dev = device()
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    width = 4096 if dev == "cuda" else 256  # a smoke run on the CPU: small
+    wide = mlp(layers=8 if dev == "cuda" else 2, width=width, device=dev, dtype=dtype)
+    progress(WIDE)
+    module_rows(rows, WIDE, wide, torch.randn(64, width, device=dev, dtype=dtype))
+    try:
+        import torchvision
+    except ImportError:
+        add_row(rows, RESNET, "(all variants)", None, note="torchvision is not installed")
+        return
+    progress(RESNET)
+    resnet = torchvision.models.resnet18().to(dev).eval().requires_grad_(False)
+    module_rows(rows, RESNET, resnet, torch.randn(1, 3, 224, 224, device=dev))
+
+
+def _case_mlp(rows, with_compile):
     dev = device()
     model = mlp(device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     x = torch.randn(1, 512, device=dev, dtype=next(model.parameters()).dtype)
