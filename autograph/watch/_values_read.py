@@ -163,13 +163,14 @@ class _Places:
         self, path: str, obj: Any, left: int, keyed: bool
     ) -> List[Tuple[str, Any, int, bool]]:
         """Add ``obj``'s places; its children to walk."""
-        cls = class_of(obj)
-        if isinstance(obj, type) and left > 0 and id(obj) not in self._seen:
+        if left <= 0 or id(obj) in self._seen:
+            return []
+        if isinstance(obj, type):
+            self._seen.add(id(obj))
             return self._visit_class(path, obj)
+        cls = class_of(obj)
         if (
-            left <= 0
-            or id(obj) in self._seen
-            or is_atom(obj, cls=cls)
+            is_atom(obj, cls=cls)
             or issubclass(cls, (torch.Tensor, torch.nn.Module))
             or ignored(obj, cls)
         ):
@@ -212,7 +213,6 @@ class _Places:
         autograph's classes, nor a module's class (its attributes are its code's), nor the
         classes of the objects walked (an HF cache's class-level flags would take the places
         its ``is_updated`` needs, past ``MAX_PLACES``)."""
-        self._seen.add(id(cls))
         if users_class(cls) and not issubclass(cls, torch.nn.Module):
             namespace = vars(cls)  # a live view of the class's attributes
             attributes = _state_attributes(namespace)
