@@ -67,16 +67,16 @@ def module_rows(rows, name, model, x):
         for out in (hand(x), graphed_module(x), step(x)):
             torch.testing.assert_close(out, expected)
     kinds = {"eager": "eager", "hand-written capture/replay": "hand"}
+    states = ", ".join(r.state for r in autograph.stats(graphed_module))
     for variant, us in medians.items():
         add_row(rows, name, variant, us, kind=kinds.get(variant, "autograph"))
         if variant.startswith("autograph"):
-            states = ", ".join(r.state for r in autograph.stats(graphed_module))
             rows[-1]["note"] = f"keys: {states}" if "module" in variant else ""
             with_ratio(rows, us, medians["hand-written capture/replay"])
 
 
 def case_mlp(rows, with_compile):
-    _case_mlp(rows, with_compile)
+    _small_mlp_rows(rows, with_compile)
     dev = device()
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     width = 4096 if dev == "cuda" else 256  # a smoke run on the CPU: small
@@ -93,7 +93,7 @@ def case_mlp(rows, with_compile):
     module_rows(rows, RESNET, resnet, torch.randn(1, 3, 224, 224, device=dev))
 
 
-def _case_mlp(rows, with_compile):
+def _small_mlp_rows(rows, with_compile):
     dev = device()
     model = mlp(device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     x = torch.randn(1, 512, device=dev, dtype=next(model.parameters()).dtype)
