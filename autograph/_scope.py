@@ -21,6 +21,10 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.regions: List[Any] = []
         self.depth = 0
+        # Whether the innermost region is ``enabled=False``: the wrappers read this one flag
+        # before anything else, so that a call in a disabled region costs what a disabled
+        # process's does (docs/design.md, "A call's life").
+        self.off = False
 
 
 # The engine reads ``thread.regions`` inline on every call: a function call less.
@@ -35,10 +39,13 @@ def current_region() -> Optional[Any]:
 
 def enter_region(region: Any) -> None:
     thread.regions.append(region)
+    thread.off = not region.enabled
 
 
 def leave_region(region: Any) -> None:
-    thread.regions.remove(region)
+    regions = thread.regions
+    regions.remove(region)
+    thread.off = bool(regions) and not regions[-1].enabled
 
 
 def inside_a_graphed_call() -> bool:

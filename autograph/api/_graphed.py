@@ -27,6 +27,7 @@ import wrapt
 
 from .. import _config
 from .._config import Options, check_option_names, check_static_arguments
+from .._scope import thread
 from .._stats import KeyStats
 from ..buckets._suggest import BucketSuggestion, suggest
 from ..engine._engine import Engine, _dynamo_callback, _is_compiling
@@ -164,7 +165,7 @@ class _GraphedPlainFunction(GraphedFunction):
     function still binds through wrapt, as a method."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _config.ENV.disable:  # the bare call, one frame over it (the engine's is another)
+        if _config.ENV.disable or thread.off:  # the bare call, one frame over it
             return self.__wrapped__(*args, **kwargs)
         if _is_compiling() or _dynamo_callback() is not None:
             return self._self_engine(self.__wrapped__, None, args, kwargs)  # Dynamo's cases
@@ -230,10 +231,10 @@ class GraphedForward:
         return self._self_function, module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _config.ENV.disable or _is_compiling():
-            # Disabled, or inside a compiled model: the plainest call (for Dynamo, the
-            # simplest to trace), without a bound method made or the engine, which would
-            # step aside anyway.
+        if _config.ENV.disable or thread.off or _is_compiling():
+            # Disabled (everywhere, or in this region), or inside a compiled model: the
+            # plainest call (for Dynamo, the simplest to trace), without a bound method made
+            # or the engine, which would step aside anyway.
             if self._self_bound:
                 return self._self_function(self._self_module(), *args, **kwargs)
             return self._self_function(*args, **kwargs)

@@ -101,7 +101,7 @@ class Engine:
 
         The signature is wrapt's wrapper signature, so an engine is its own wrapper.
         """
-        if _config.ENV.disable or _is_compiling():
+        if _config.ENV.disable or thread.off or _is_compiling():
             # Under torch.compile's tracing, step aside: Dynamo inlines the function, and its
             # fusion (and its own graphs, mode="reduce-overhead") apply.
             return call(*args, **kwargs)

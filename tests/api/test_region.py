@@ -99,8 +99,12 @@ def test_regions_nest_and_the_inner_one_wins(device):
             with autograph.region(warmup=1):
                 for _ in range(3):
                     f(torch.zeros(1, device=device))
-    assert len(runs) == 5  # warmup=1, not the outer 2
-    assert states(f) == [("graphed", 3, 1, 2)]
+            assert len(runs) == 5  # warmup=1, not the outer 2
+            f(torch.zeros(1, device=device))  # the disabled region is the innermost again
+            assert len(runs) == 6 and states(f) == [("graphed", 3, 1, 2)]
+        f(torch.zeros(1, device=device))  # the outer region's again: keyed, its own options
+        assert len(runs) == 7
+    assert sorted(states(f)) == [("graphed", 3, 1, 2), ("warmup", 1, 1, 0)]
 
 
 @pytest.mark.parametrize(
