@@ -13,6 +13,7 @@ module, and never imports the emulation itself (docs/design.md, "Backends").
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -80,6 +81,33 @@ def choose_backend(tensors: List[Tensor]) -> Tuple[Optional[Backend], int, Optio
 INSIDE_A_CAPTURE = "it is called inside a capture, of which it is part"
 
 
+class _AskTorch:
+    """``cuda.started``'s answer through torch's public check (a Python frame and a C call)."""
+
+    @property
+    def _initialized(self) -> bool:
+        return torch.cuda.is_initialized()
+
+
+# Whether CUDA has started, read twice on every call (``why_not_keyed``, ``execution_state``)
+# as ``cuda._initialized``: torch's own flag, one attribute read, where the public
+# ``torch.cuda.is_initialized()`` adds a frame and a C call (``_is_in_bad_fork``). In a child
+# forked after CUDA started the flag still says True while CUDA cannot be used there, so a
+# child asks torch (``_AskTorch``), as does a torch without the flag.
+cuda: Any = (
+    torch.cuda if isinstance(getattr(torch.cuda, "_initialized", None), bool) else _AskTorch()
+)
+
+
+def _in_a_forked_child() -> None:
+    global cuda
+    cuda = _AskTorch()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_a_forked_child)
+
+
 def why_not_keyed(args: Sequence[Any], kwargs: dict) -> Optional[str]:
     """Why a call runs as written before it is keyed, or None: it is part of an enclosing
     capture (ours, the user's own graph, or an emulated one: ``INSIDE_A_CAPTURE``), or it has
@@ -95,9 +123,7 @@ def why_not_keyed(args: Sequence[Any], kwargs: dict) -> Optional[str]:
                 break
         else:
             return _cpu_reason or _first_cpu_reason()
-    if (emulation is not None and emulation.is_capturing()) or (
-        torch.cuda.is_initialized() and _capturing()
-    ):
+    if (emulation is not None and emulation.is_capturing()) or (cuda._initialized and _capturing()):
         return INSIDE_A_CAPTURE
     return None
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.utils._pytree as _pytree
 
+from ..backends import _devices
 from ..watch._names import DTYPE_NAMES, describe_tensor
 
 Tensor = torch.Tensor
@@ -50,7 +51,7 @@ def execution_state(training: Any) -> tuple:
         _autocast_state() if _any_autocast() else _NO_AUTOCAST,  # one C call, commonly
         # Before CUDA starts, the device that will be current is 0: a key made then must not
         # change when something (a compile saving the CUDA generators) starts CUDA lazily.
-        _cuda_device() if torch.cuda.is_initialized() else 0,
+        _cuda_device() if _devices.cuda._initialized else 0,
         training,
         # A factory call without a dtype (torch.full(..., 0.1)) makes the default dtype's
         # tensor: a replay would make the capture's (docs/design.md, "What a replay assumes").

@@ -6,6 +6,7 @@ Skipped, with the reason, where there is no GPU."""
 
 import copy
 import gc
+import os
 import threading
 import time
 
@@ -296,3 +297,30 @@ def test_hf_llama_decode_with_static_cache_matches_eager(caught):
     assert decode_row.state == "graphed", decode_row.fallback_reason
     assert states(graphed_model) == [("warmup", 1, 1, 0), ("graphed", 20, 1, 19)]
     assert autograph_warnings(caught) == []
+
+
+def test_a_child_forked_after_cuda_started_runs_a_graphed_call_as_written():
+    # A DataLoader worker forked after CUDA started: CUDA cannot be used in it, though torch's
+    # cuda._initialized flag still says True there, so the engine must not ask CUDA whether
+    # the call is inside a capture, nor for its current device (``_devices.cuda``).
+    @autograph.graphed
+    def scaled(x, scale=1.0):
+        return x * scale
+
+    scaled(torch.ones(2, device="cuda"))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: CPU tensors, a keyword (so keyed, not the plain-CPU shortcut)
+        try:
+            out = scaled(torch.ones(2), scale=2.0)
+            rows = [r for r in scaled.stats() if "cpu" in r.key]
+            ok = torch.equal(out, torch.full((2,), 2.0)) and [r.state for r in rows] == ["eager"]
+            os.write(write, b"ok" if ok else f"wrong: {out} {rows}".encode()[:900])
+        except BaseException as error:  # noqa: B036 - whatever it is, the parent says it
+            os.write(write, repr(error).encode()[:900])
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as answer:
+        assert answer.read() == "ok"
