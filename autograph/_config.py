@@ -109,6 +109,12 @@ if ENV.log_level is not None:
 
 _OUTPUT_POLICIES = ("copy", "static")
 
+# A region's default warmup (a graphed function's is 1): a region graphs every top-level
+# module call of a whole program, many of whose keys never repeat (HF generate()'s prefill and
+# its growing decode steps), so a new key's first call runs as a plain call and only a key
+# that comes back is watched, at its second call (docs/design.md, "Regions").
+REGION_WARMUP = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:

@@ -41,16 +41,16 @@ def test_top_level_module_calls_are_graphed_inside_and_only_inside(device):
         with autograph.region() as region:
             for _ in range(4):
                 assert torch.equal(model(x), expected)
-        assert model.calls == 2  # warmup + capture; two replays
+        assert model.calls == 3  # a plain call, a watched warmup, a capture; a replay
         model(x)
-        assert model.calls == 3  # outside: plain eager
-    assert states(region) == [("graphed", 4, 1, 3)]  # one key: none for the Linear
+        assert model.calls == 4  # outside: plain eager
+    assert states(region) == [("graphed", 4, 2, 2)]  # one key: none for the Linear
     (row,) = region.stats().keys
     assert is_label_of(row.function, Block)
     assert autograph.stats(model) == [row]  # the call outside was not counted
     assert autograph.stats(model.inner) == []
     stats = region.stats()
-    assert (stats.captures, stats.replays, stats.eager_calls) == (1, 3, 1)
+    assert (stats.captures, stats.replays, stats.eager_calls) == (1, 2, 2)
 
 
 def test_plain_functions_run_as_written_and_decorated_ones_take_region_options(device):
@@ -151,7 +151,7 @@ def test_regions_are_per_thread(device):
     def inside():
         with torch.no_grad(), autograph.region():
             entered.set()
-            for _ in range(3):
+            for _ in range(4):  # a plain call, a watched warmup, a capture and a replay
                 model(torch.randn(2, 4, device=device))
             done.wait(10)
 
@@ -165,8 +165,8 @@ def test_regions_are_per_thread(device):
     finally:  # a failure here must not leave the worker's region open for the next test
         done.set()
         worker.join()
-    assert states(model) == [("graphed", 3, 1, 2)]
-    assert model.calls == 2 + 5
+    assert states(model) == [("graphed", 4, 2, 2)]
+    assert model.calls == 3 + 5
 
 
 def global_state():
@@ -200,10 +200,10 @@ def test_leaving_a_region_leaves_no_trace_even_on_exception(device):
     before = global_state()
     model = Failing().to(device)
     with torch.no_grad(), autograph.region():
-        for _ in range(3):  # a warmup, a capture and a replay inside
+        for _ in range(4):  # a plain call, a watched warmup, a capture and a replay inside
             model(torch.randn(2, 4, device=device))
         assert torch.nn.Module.__call__ is not before[0]
-    assert states(model) == [("graphed", 3, 1, 2)]
+    assert states(model) == [("graphed", 4, 2, 2)]
     assert global_state() == before
     other = Failing().to(device)
     with pytest.raises(KeyError):
@@ -225,9 +225,9 @@ def test_graphs_are_kept_for_the_next_region_and_released_with_the_module(device
                 model(x)
         with autograph.region() as second:
             model(x)
-    assert model.calls == 2
+    assert model.calls == 3  # a plain call, a watched warmup and a capture in the first
     assert (second.stats().captures, second.stats().replays) == (0, 1)
-    assert states(model) == [("graphed", 4, 1, 3)]
+    assert states(model) == [("graphed", 4, 2, 2)]
     (row,) = autograph.stats(model)
     engine = _region.engine_of(model)
     engine_ref = weakref.ref(engine)
@@ -243,9 +243,9 @@ def test_graphs_are_kept_for_the_next_region_and_released_with_the_module(device
 def test_graphs_captured_in_one_region_share_one_pool(device):
     a, b = Block().to(device), Block().to(device)
     with torch.no_grad(), autograph.region() as region:
-        for _ in range(3):
+        for _ in range(4):  # a plain call, a watched warmup, a capture and a replay per key
             b(a(torch.randn(2, 4, device=device))), b(torch.randn(3, 4, device=device))
-    assert sorted(states(region)) == [("graphed", 3, 1, 2)] * 3
+    assert sorted(states(region)) == [("graphed", 4, 2, 2)] * 3
     entries = list(region._touched.values())
     backend = entries[0].backend
     pool = region.pools.get(backend, entries[0].device)
@@ -280,7 +280,7 @@ def test_a_training_loop_in_a_region_trains_as_in_eager(device, caught):
                 optimizer.step()
                 losses.append(loss.item())
             with torch.no_grad():  # evaluation inside the region is graphed
-                for _ in range(3):
+                for _ in range(4):
                     evaluations.append(model(data))
         return losses, evaluations, model, loss_fn
 
@@ -289,8 +289,8 @@ def test_a_training_loop_in_a_region_trains_as_in_eager(device, caught):
     assert losses == eager_losses and losses[-1] < losses[0] / 4
     assert all(torch.equal(a, b) for a, b in zip(evaluations, eager_evaluations))
     # training: forward and backward graphed per module; evaluation: graphed too
-    assert states(model) == [("graphed", 30, 1, 29), ("graphed", 3, 1, 2)]
-    assert states(loss_fn) == [("graphed", 30, 1, 29)]
+    assert states(model) == [("graphed", 30, 2, 28), ("graphed", 4, 2, 2)]
+    assert states(loss_fn) == [("graphed", 30, 2, 28)]
     assert autograph_warnings(caught) == []
 
 

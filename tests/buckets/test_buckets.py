@@ -106,12 +106,13 @@ def test_explicit_bucket_args_pad_with_their_values(device):
 def test_buckets_in_a_region_and_for_a_module(device):
     model = torch.nn.Linear(4, 2).to(device)
     with torch.no_grad(), autograph.region(buckets=[2, 4]):
-        for n in (1, 2, 3, 4, 3):
+        # per bucket: a plain call and a watched warmup (the region's warmup=2), a capture
+        for n in (1, 1, 2, 3, 3, 4, 3):
             x = torch.randn(n, 4, device=device)
             assert torch.allclose(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
     assert by_bucket(model) == [
-        (2, "graphed", 2, 1, {1: 1, 2: 1}),
-        (4, "graphed", 3, 2, {3: 2, 4: 1}),
+        (2, "graphed", 3, 1, {1: 2, 2: 1}),
+        (4, "graphed", 4, 2, {3: 3, 4: 1}),
     ]
 
 

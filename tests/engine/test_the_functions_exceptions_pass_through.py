@@ -237,7 +237,7 @@ def _phases(device, error):
         switch = _switch()
         block = _Block(error, switch).to(device)
         with torch.no_grad(), autograph.region():
-            block(x)
+            block(x), block(x)  # a plain call and the watched warmup: the next one captures
         switch.on = True
 
         def call():

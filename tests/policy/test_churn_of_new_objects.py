@@ -136,9 +136,11 @@ def test_generate_with_a_static_cache_keeps_replaying_its_decode_step_on_the_emu
 
     expected, runs = static_generate_runs(6)
     assert all(torch.equal(tokens, expected) for tokens, _ in runs)
-    assert runs[0][1].replays >= 14
+    # 15 decode steps per call: a plain call and a watched warmup (the region's warmup=2),
+    # then a capture and replays
+    assert runs[0][1].replays >= 13
     assert [r.passed_through for _, r in runs] == [0] * 6
-    assert all(r.replays >= 14 for _, r in runs), [r for _, r in runs]
+    assert all(r.replays >= 13 for _, r in runs), [r for _, r in runs]
 
 
 # Defect: Churn.key_died (autograph/policy/_churn.py:103) counts a dead key as paid only when

@@ -30,19 +30,20 @@ def test_generate_with_the_default_cache_passes_through_once_its_keys_churn(padd
         runs = [generate_in_a_region(model, ids, **options) for _ in range(10)]
     assert all(torch.equal(tokens, expected) for tokens, _ in runs)
     first, last = runs[0][1], runs[-1][1]
-    assert len(first.keys) >= 2  # it was keyed, and watched, before it passed through
+    assert len(first.keys) >= 2  # it was keyed before it passed through
     assert len(last.keys) <= 1 and last.captures == 0  # at most one look in the last call
     (row,) = [r for r in autograph.stats(model) if r.key == "calls passed through (keys churn)"]
     assert row.state == "eager" and row.calls > 0
     assert "never graphed" in row.fallback_reason
 
 
-def test_generate_with_a_growing_mask_watches_one_decode_step_not_sixteen(monkeypatch):
-    # Each decode step's attention mask is one position longer, its input_ids [1, 1] the
-    # same: after the prefill and three decode steps calls pass through, and each later look
-    # whose key grew while calls passed through passes through again at once. Only the
-    # prefill and the first decode step are watched op by op: a key one longer than the
-    # last is not expected to repeat, so its first call runs as a plain call.
+def test_a_first_generate_in_a_region_watches_no_call(monkeypatch):
+    # A region's keys run their first call as a plain call and are watched op by op only at
+    # their second (its warmup=2), and no key of a first generate() with a DynamicCache comes
+    # back: the prefill is called once, and each decode step's attention mask is one position
+    # longer, its input_ids [1, 1] the same. So no call is watched, and after the prefill and
+    # three decode steps calls pass through; the look after 16 calls meets a key that grew
+    # while calls passed through, which passes through again at once, for 32 calls.
     watched = watched_warmups(monkeypatch)
     model = generating_llama()
     ids = torch.randint(0, 256, (1, 8))
@@ -58,10 +59,11 @@ def test_generate_with_a_growing_mask_watches_one_decode_step_not_sixteen(monkey
             )
     assert torch.equal(tokens, expected)
     stats = region.stats()
-    # The prefill, 3 decode steps, then one key per look (after 16 calls, then 32).
-    assert len(stats.keys) <= 6 and stats.captures == 0, stats
-    assert stats.passed_through >= 40 and stats.eager_calls == 48, stats
-    assert len(watched) == 2, watched
+    # The prefill, 3 decode steps, then one key per look: one look (after 16 calls) in 48.
+    assert len(stats.keys) == 5 and stats.captures == 0, stats
+    # 48 calls: 4 keyed, 16 passed through, 1 look, the 27 left of 32 passed through.
+    assert stats.passed_through == 43 and stats.eager_calls == 48, stats
+    assert watched == [], watched
 
 
 @pytest.mark.xfail(
