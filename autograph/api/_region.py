@@ -185,6 +185,7 @@ def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
             module_label(module),
             signature_of=forward_signature(module),
             instance_label=type(module).__name__,
+            automatic=True,
         )
     return engine(_original_call.__get__(module), module, args, kwargs)
 

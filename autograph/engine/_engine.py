@@ -70,8 +70,9 @@ class Engine:
         signature_of: Optional[Callable] = None,
         per_instance: bool = False,
         instance_label: str = "self",
+        automatic: bool = False,
     ):
-        self.function = Function(name, fn, instance_label)
+        self.function = Function(name, fn, instance_label, automatic)
         self.explicit = explicit  # the options the user set, which win over a region's
         self.options = Options(**explicit)
         self.region_options: Dict[tuple, Options] = {}

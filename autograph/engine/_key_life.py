@@ -51,7 +51,7 @@ from ..policy._verify import checked_replay
 from ..training._training import TrainingGraph
 from ..watch._guard import LibraryUse
 from ..watch._python_state import PythonState, per_call_reason
-from ..watch._reads import CallWatch, roots_of, shares_state, shares_written_memory
+from ..watch._reads import CallWatch, Survey, roots_of, shares_state, shares_written_memory
 from ..watch._values_read import ValuesRead
 
 Tensor = torch.Tensor
@@ -90,6 +90,8 @@ class Function:
     name: str
     fn: Callable
     instance_label: str = "self"
+    # A module call a region graphs of itself, not a function or module the user graphed.
+    automatic: bool = False
 
     def roots(self, c: "Call") -> list:
         """Where the tensors a call of it reads may come from (``_reads.roots_of``)."""
@@ -184,6 +186,7 @@ class KeyLife:
         "replays",
         "warmups",
         "watch_later",  # a new key not expected to repeat: its first call runs unwatched
+        "frees_reads",  # its watched warmup freed what it read: the next call is watched too
         "recaptures",
         "reason",
         "strict_error",
@@ -230,7 +233,7 @@ class KeyLife:
         self.options, self.backend, self.device = options, backend, device
         self.phase = WARMUP
         self.calls = self.eager_calls = self.replays = self.warmups = self.recaptures = 0
-        self.watch_later = False
+        self.watch_later = self.frees_reads = False
         self.reason: Optional[str] = None
         self.strict_error: Optional[str] = None  # raised on every call under strict=True
         self.graph: Any = None
@@ -375,7 +378,9 @@ class KeyLife:
                 self.warmups += 1
                 return outputs
             outputs = self.watched_warmup(c)
-        if self.phase == WARMUP:  # not where the warmup made the key eager (a bucket refused)
+        # Not where the warmup made the key eager (a bucket refused), nor where it freed what
+        # it read, once: the next call is watched again.
+        if self.phase == WARMUP and not self.frees_reads:
             self.phase = CAPTURE
         return outputs
 
@@ -385,6 +390,8 @@ class KeyLife:
         uses = LibraryUse()
         watch = CallWatch(c.tensors)
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
+        # Watched again because the last watch saw the call free what it read: the names.
+        survey = Survey(self.function.roots(c)) if self.frees_reads else None
         with uses, watch, collectives:
             outputs = run_call(self, c, watched=True)
         if isinstance(collectives, CollectiveWatch):
@@ -392,21 +399,9 @@ class KeyLife:
         self.warmups += 1
         self.uses_cudnn, self.generators = uses.uses_cudnn, tuple(uses.generators)
         self.warmup_thread = threading.get_ident()
-        leaves = flatten_output(outputs)[0]
-        self.written = watch.written_arguments(c.tensors)
-        # Weakly: a storage freed before the capture is no state, and the allocator may hand
-        # its address to a later argument (an argument there is no alias of anything).
-        self.by_address = {
-            ptr: weakref.ref(t.untyped_storage()) for ptr, t in watch.external.items()
-        }
-        self.state_written = [] if c.padding is None else state_written(c, watch)
-        if torch.is_grad_enabled() and _need_gradients(leaves):
-            self.trains = True  # a closed-over parameter needs gradients
-        # No leaf that needs gradients among its arguments and what it read by address, and
-        # none among its outputs (a tensor made inside with requires_grad=True): no graph.
-        self.builds_graph = self.trains or any(
-            t.requires_grad for t in itertools.chain(c.tensors, watch.external.values())
-        )
+        names = None if survey is None else survey.names
+        del survey  # its slots hold the tensors it reached: what the call freed must die
+        _learn_from_the_watch(self, c, watch, flatten_output(outputs)[0], names)
         return outputs
 
     # ---- capture ----
@@ -438,13 +433,7 @@ class KeyLife:
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
             graph.release()
-            self.fall_back(
-                f"it replaces {graph.invalid_reason} on every call (a cache that grows "
-                f"with torch.cat does), and a graph would keep reading the old tensor. "
-                f"Use a fixed-size cache updated in place (transformers' StaticCache), "
-                f"or pass the tensor as an argument",
-                raise_now=False,
-            )
+            self.fall_back(replaces_reason(graph.invalid_reason), raise_now=False)
             return outputs
         self.adopt(graph, c)
         c.note(self, "captures")
@@ -518,6 +507,47 @@ class KeyLife:
 
     def stats(self) -> KeyStats:
         return _key_stats(self)
+
+
+def _learn_from_the_watch(
+    life: KeyLife, c: Call, watch: CallWatch, leaves: List[Any], names: Optional[Dict[int, str]]
+) -> None:
+    """What a watched warmup tells the capture, and whether the call frees what it reads
+    (``names``: of the storages reached before the call, where it was watched again)."""
+    life.written = watch.written_arguments(c.tensors)
+    # Weakly: a storage freed before the capture is no state, and the allocator may hand
+    # its address to a later argument (an argument there is no alias of anything).
+    life.by_address = {ptr: weakref.ref(t.untyped_storage()) for ptr, t in watch.external.items()}
+    life.state_written = [] if c.padding is None else state_written(c, watch)
+    if torch.is_grad_enabled() and _need_gradients(leaves):
+        life.trains = True  # a closed-over parameter needs gradients
+    # No leaf that needs gradients among its arguments and what it read by address, and
+    # none among its outputs (a tensor made inside with requires_grad=True): no graph.
+    life.builds_graph = life.trains or any(
+        t.requires_grad for t in itertools.chain(c.tensors, watch.external.values())
+    )
+    # Held by the watch alone now: a storage the call read and let go (an HF DynamicCache's
+    # keys, rebound to a longer torch.cat) dies here, and a graph would read it freed. Seen
+    # twice in a row (once could be a lazy first-call conversion), the key runs eagerly now,
+    # before a capture that would be thrown away (the capture finds it too: ``_capture``).
+    watch.external.clear()
+    freed = [ptr for ptr, storage in life.by_address.items() if storage() is None]
+    # Watched again, only state the caller held before the call counts (a tensor the call
+    # made of the caller's memory, torch.from_numpy(array), dies with the call; the capture's
+    # guard judges it).
+    rebound = [names[ptr] for ptr in freed if ptr in names] if names is not None else []
+    if rebound:
+        life.fall_back(replaces_reason(rebound[0]), raise_now=False)
+    life.frees_reads = bool(freed) and names is None
+
+
+def replaces_reason(name: str) -> str:
+    """Why a key whose call rebinds what it reads by address runs eagerly."""
+    return (
+        f"it replaces {name} on every call (a cache that grows with torch.cat does), and a "
+        f"graph would keep reading the old tensor. Use a fixed-size cache updated in place "
+        f"(transformers' StaticCache), or pass the tensor as an argument"
+    )
 
 
 def _need_gradients(leaves: List[Any]) -> bool:

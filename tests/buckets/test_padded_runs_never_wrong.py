@@ -595,7 +595,9 @@ def test_state_made_by_the_first_run_is_restored_when_pad_rows_are_probed(device
         x = torch.randn(rows, 6, device=device)
         want = expected.update(torch.cat([x, x.new_zeros(4 - rows, 6)]))[:rows]
         torch.testing.assert_close(step(x, cache), want)
-    assert states(step) == [("graphed", 6, 1, 5)]
+    # Two watched warmups: the first frees the position it read (rebound to a new tensor), so
+    # the next call is watched too before a capture (a key that does so on every call is eager)
+    assert states(step) == [("graphed", 6, 2, 4)]
 
 
 class SlotsCache:
