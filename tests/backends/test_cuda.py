@@ -324,3 +324,23 @@ def test_a_child_forked_after_cuda_started_runs_a_graphed_call_as_written():
     os.waitpid(pid, 0)
     with os.fdopen(read) as answer:
         assert answer.read() == "ok"
+
+
+def test_a_graphed_call_inside_the_users_own_capture_becomes_part_of_it():
+    # Off the default stream the engine asks CUDA whether the stream captures (on the default
+    # stream it never does, and the question is skipped): a call inside the user's own
+    # torch.cuda.graph runs as written, into that graph, and is not counted.
+    @autograph.graphed
+    def f(x):
+        return x * 2 + 1
+
+    x = torch.randn(8, device="cuda")
+    f(x), f(x)  # its own key: a warmup and a capture
+    static = torch.randn(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(static)
+    static.copy_(torch.arange(8.0, device="cuda"))
+    graph.replay()
+    assert torch.equal(out, torch.arange(8.0, device="cuda") * 2 + 1)
+    assert states(f) == [("graphed", 2, 1, 1)]
