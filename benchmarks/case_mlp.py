@@ -1,10 +1,10 @@
 """(a) A 32-layer Linear(512)+GELU MLP at batch 1 in bf16: eager, a hand-written
-capture/replay loop, make_graphed_callables, autograph (module and function),
-torch.compile(mode="reduce-overhead"), and autograph around torch.compile (the compiled module,
-and a compiled step function). Then two more modules, eager, hand-written and autograph
-(module and function) timed in interleaved rounds: an 8-layer Linear(4096)+GELU MLP at batch
-64 in bf16, and torchvision's ResNet-18 at batch 1 in float32 (where torchvision is
-installed). About 45 s on an H200 (compile 15 s of it)."""
+capture/replay loop, make_graphed_callables, autograph (module and function), timed in
+interleaved rounds; then torch.compile(mode="reduce-overhead") and autograph around
+torch.compile (the compiled module, and a compiled step function). Then two more modules,
+eager, hand-written and autograph (module and function) timed in interleaved rounds: an
+8-layer Linear(4096)+GELU MLP at batch 64 in bf16, and torchvision's ResNet-18 at batch 1 in
+float32 (where torchvision is installed). About 45 s on an H200 (compile 15 s of it)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,12 @@ def compiled(fn, example, calls=3):
     return compiled_fn, first_calls(compiled_fn, example, calls)
 
 
-def module_rows(rows, name, model, x):
-    """Eager, hand-written, ``graphed(module)`` and ``graphed(function)`` of one module, timed
-    in interleaved rounds (their ratios are a few percent: a drift of the host between
-    variants timed one after the other would be as large), outputs checked equal."""
+def module_rows(rows, name, model, x, references=None):
+    """Eager, hand-written (and ``references``: name -> callable of ``x``),
+    ``graphed(module)`` and ``graphed(function)`` of one module, timed in interleaved rounds
+    (their ratios are a few percent: a drift of the host between variants timed one after the
+    other would be as large), outputs checked equal."""
+    references = references or {}
     with torch.no_grad():
         hand = hand_written(model, [x])
         graphed_module = autograph.graphed(copy.deepcopy(model))
@@ -59,14 +61,19 @@ def module_rows(rows, name, model, x):
         variants = {
             "eager": lambda: model(x),
             "hand-written capture/replay": lambda: hand(x),
+            **{variant: (lambda f=f: f(x)) for variant, f in references.items()},
             "autograph.graphed(module)": lambda: graphed_module(x),
             "autograph.graphed(function)": lambda: step(x),
         }
         medians = side_by_side(variants)
         expected = model(x)
-        for out in (hand(x), graphed_module(x), step(x)):
+        for out in (hand(x), *(f(x) for f in references.values()), graphed_module(x), step(x)):
             torch.testing.assert_close(out, expected)
-    kinds = {"eager": "eager", "hand-written capture/replay": "hand"}
+    kinds = {
+        "eager": "eager",
+        "hand-written capture/replay": "hand",
+        **dict.fromkeys(references, "hand"),
+    }
     states = ", ".join(r.state for r in autograph.stats(graphed_module))
     for variant, us in medians.items():
         add_row(rows, name, variant, us, kind=kinds.get(variant, "autograph"))
@@ -97,23 +104,14 @@ def _small_mlp_rows(rows, with_compile):
     dev = device()
     model = mlp(device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32)
     x = torch.randn(1, 512, device=dev, dtype=next(model.parameters()).dtype)
-    with torch.no_grad():
-        timed(rows, NAME, "eager", lambda: model(x), kind="eager")
-        hand = hand_written(model, [x])
-        hand_us = timed(rows, NAME, "hand-written capture/replay", lambda: hand(x), kind="hand")
-        if dev == "cuda":
+    references = {}
+    if dev == "cuda":
+        with torch.no_grad():
             mgc = torch.cuda.make_graphed_callables(copy.deepcopy(model), (x.clone(),))
-            timed(rows, NAME, "make_graphed_callables", lambda: mgc(x), kind="hand")
-        graphed_module = autograph.graphed(copy.deepcopy(model))
-        us = timed(
-            rows, NAME, "autograph.graphed(module)", lambda: graphed_module(x), kind="autograph"
-        )
-        with_ratio(rows, us, hand_us)
-        inner = copy.deepcopy(model)
-        step = autograph.graphed(lambda x: inner(x))
-        us = timed(rows, NAME, "autograph.graphed(function)", lambda: step(x), kind="autograph")
-        with_ratio(rows, us, hand_us)
-        assert torch.equal(graphed_module(x), model(x)) and torch.equal(step(x), model(x))
+        references["make_graphed_callables"] = mgc
+    progress(NAME)
+    module_rows(rows, NAME, model, x, references)
+    with torch.no_grad():
         if with_compile:
             progress("compiling (reduce-overhead)")
             fn, seconds = compiled(copy.deepcopy(model), (x,))
