@@ -109,10 +109,11 @@ if ENV.log_level is not None:
 
 _OUTPUT_POLICIES = ("copy", "static")
 
-# A region's default warmup (a graphed function's is 1): a region graphs every top-level
-# module call of a whole program, many of whose keys never repeat (HF generate()'s prefill and
-# its growing decode steps), so a new key's first call runs as a plain call and only a key
-# that comes back is watched, at its second call (docs/design.md, "Regions").
+# The default warmup of the module calls a region graphs of itself (a graphed function's or
+# module's is 1, in a region too): a region graphs every top-level module call of a whole
+# program, many of whose keys never repeat (HF generate()'s prefill and its growing decode
+# steps), so a new key's first call runs as a plain call and only a key that comes back is
+# watched, at its second call (docs/design.md, "Regions").
 REGION_WARMUP = 2
 
 

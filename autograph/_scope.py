@@ -44,7 +44,8 @@ def enter_region(region: Any) -> None:
 
 def leave_region(region: Any) -> None:
     regions = thread.regions
-    regions.remove(region)
+    # The innermost entry: one region object may be entered again inside itself.
+    del regions[len(regions) - 1 - regions[::-1].index(region)]
     thread.off = bool(regions) and not regions[-1].enabled
 
 

@@ -447,15 +447,18 @@ def test_a_server_sweeping_batch_sizes_with_a_fixed_argument_is_graphed_after_it
     assert sum(r.replays for r in keys) >= 0.8 * 320
 
 
+@pytest.mark.parametrize("warmup", [1, 2])
 def test_a_long_sweep_whose_growing_keys_ran_unwatched_is_graphed_when_a_look_meets_one(
-    device, caught
+    device, caught, warmup
 ):
-    # Sizes 1..31 in turn look like growth by one, so each key's first call runs unwatched:
-    # a look that meets one again warms it up, and must end the episode as a replay would
-    # (without it the next new key passed through at once: 0 replays in 12 rounds).
+    # Sizes 1..31 in turn look like growth by one, so each key's first call runs unwatched
+    # (with warmup=2, a region's modules' default, as a plain warmup): a look that meets one
+    # again warms it up, and must end the episode as a replay would (without it the next new
+    # key passed through at once: 0 replays in 12 rounds; with warmup=2, found by a hostile
+    # review in a region, the first replay came in round 17 of 40 instead of round 1).
     w = torch.randn(8, 8, device=device)
 
-    @autograph.graphed
+    @autograph.graphed(warmup=warmup)
     def step(x, w):
         return x @ w + 1
 

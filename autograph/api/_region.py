@@ -147,7 +147,7 @@ def region(*, enabled: bool = True, **options: Any) -> Region:
     check_option_names(options, "autograph.region")
     if not isinstance(enabled, bool):
         raise ValueError(f"enabled={enabled!r}: it must be True or False.")
-    return Region(enabled, {"warmup": _config.REGION_WARMUP, **options})
+    return Region(enabled, options)
 
 
 # ---- the module-call dispatcher ----

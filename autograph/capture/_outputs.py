@@ -47,6 +47,11 @@ _IMMUTABLE = (
 OutputNode = Tuple[List[str], list, Callable[[list], Any]]
 
 
+def needs_gradients(leaves: Sequence[Any]) -> bool:
+    """Whether any tensor among a call's output leaves needs gradients."""
+    return any(isinstance(o, Tensor) and o.requires_grad for o in leaves)
+
+
 def flatten_output(
     obj: Any, given: Sequence[Any] = ()
 ) -> Tuple[list, Callable[[Sequence[Any]], Any]]:

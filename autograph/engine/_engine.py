@@ -74,6 +74,8 @@ class Engine:
     ):
         self.function = Function(name, fn, instance_label, automatic)
         self.explicit = explicit  # the options the user set, which win over a region's
+        # Under a region's own: a module call the region graphs of itself warms up longer.
+        self.defaults = {"warmup": _config.REGION_WARMUP} if automatic else {}
         self.options = Options(**explicit)
         self.region_options: Dict[tuple, Options] = {}
         self.name = name
@@ -338,7 +340,7 @@ class Engine:
     def options_in(self, region: Any) -> Options:
         options = self.region_options.get(region.options_key)
         if options is None:
-            options = Options(**{**region.explicit, **self.explicit})
+            options = Options(**{**self.defaults, **region.explicit, **self.explicit})
             if options == self.options:
                 options = self.options  # so that a call tests identity, not nine fields
             self.region_options[region.options_key] = options

@@ -41,7 +41,7 @@ from ..buckets._bucket_runs import (
 )
 from ..capture._call_record import record_call
 from ..capture._graph import Graph
-from ..capture._outputs import flatten_output
+from ..capture._outputs import flatten_output, needs_gradients
 from ..capture._recording import CaptureFailed, CaptureRequest
 from ..distributed._ranks import CollectiveWatch, agreed_failure, distributed_is_on
 from ..policy._islands import drop_an_idle_island, eager_scope, in_an_island
@@ -51,7 +51,15 @@ from ..policy._verify import checked_replay
 from ..training._training import TrainingGraph
 from ..watch._guard import LibraryUse
 from ..watch._python_state import PythonState, per_call_reason
-from ..watch._reads import CallWatch, Survey, roots_of, shares_state, shares_written_memory
+from ..watch._reads import (
+    CallWatch,
+    Survey,
+    held_before,
+    replaces_reason,
+    roots_of,
+    shares_state,
+    shares_written_memory,
+)
 from ..watch._values_read import ValuesRead
 
 Tensor = torch.Tensor
@@ -355,7 +363,7 @@ class KeyLife:
         if (
             self.builds_graph is False
             and torch.is_grad_enabled()
-            and _need_gradients(
+            and needs_gradients(
                 [outputs] if isinstance(outputs, Tensor) else flatten_output(outputs)[0]
             )
         ):
@@ -390,7 +398,8 @@ class KeyLife:
         uses = LibraryUse()
         watch = CallWatch(c.tensors)
         collectives = CollectiveWatch() if distributed_is_on() else contextlib.nullcontext()
-        # Watched again because the last watch saw the call free what it read: the names.
+        # Watched again because the last watch saw the call free what it read: what the
+        # caller held before the call, as attributes, by storage (a weak reference) and name.
         survey = Survey(self.function.roots(c)) if self.frees_reads else None
         with uses, watch, collectives:
             outputs = run_call(self, c, watched=True)
@@ -399,9 +408,9 @@ class KeyLife:
         self.warmups += 1
         self.uses_cudnn, self.generators = uses.uses_cudnn, tuple(uses.generators)
         self.warmup_thread = threading.get_ident()
-        names = None if survey is None else survey.names
-        del survey  # its slots hold the tensors it reached: what the call freed must die
-        _learn_from_the_watch(self, c, watch, flatten_output(outputs)[0], names)
+        held = None if survey is None else held_before(survey)
+        del survey  # it holds the tensors it reached: what the call let go of must die
+        _learn_from_the_watch(self, c, watch, flatten_output(outputs)[0], held)
         return outputs
 
     # ---- capture ----
@@ -433,6 +442,7 @@ class KeyLife:
         if graph.invalid_reason is not None:
             # Freed by the call itself: the function rebinds what it reads on every call.
             graph.release()
+            self.frees_reads = True
             self.fall_back(replaces_reason(graph.invalid_reason), raise_now=False)
             return outputs
         self.adopt(graph, c)
@@ -510,16 +520,16 @@ class KeyLife:
 
 
 def _learn_from_the_watch(
-    life: KeyLife, c: Call, watch: CallWatch, leaves: List[Any], names: Optional[Dict[int, str]]
+    life: KeyLife, c: Call, watch: CallWatch, leaves: List[Any], held: Optional[dict]
 ) -> None:
     """What a watched warmup tells the capture, and whether the call frees what it reads
-    (``names``: of the storages reached before the call, where it was watched again)."""
+    (``held``: ``_reads.held_before``, where it was watched again)."""
     life.written = watch.written_arguments(c.tensors)
     # Weakly: a storage freed before the capture is no state, and the allocator may hand
     # its address to a later argument (an argument there is no alias of anything).
     life.by_address = {ptr: weakref.ref(t.untyped_storage()) for ptr, t in watch.external.items()}
     life.state_written = [] if c.padding is None else state_written(c, watch)
-    if torch.is_grad_enabled() and _need_gradients(leaves):
+    if torch.is_grad_enabled() and needs_gradients(leaves):
         life.trains = True  # a closed-over parameter needs gradients
     # No leaf that needs gradients among its arguments and what it read by address, and
     # none among its outputs (a tensor made inside with requires_grad=True): no graph.
@@ -531,28 +541,18 @@ def _learn_from_the_watch(
     # twice in a row (once could be a lazy first-call conversion), the key runs eagerly now,
     # before a capture that would be thrown away (the capture finds it too: ``_capture``).
     watch.external.clear()
-    freed = [ptr for ptr, storage in life.by_address.items() if storage() is None]
-    # Watched again, only state the caller held before the call counts (a tensor the call
-    # made of the caller's memory, torch.from_numpy(array), dies with the call; the capture's
-    # guard judges it).
-    rebound = [names[ptr] for ptr in freed if ptr in names] if names is not None else []
+    if held is None:
+        life.frees_reads = any(storage() is None for storage in life.by_address.values())
+        return
+    # Watched again, only a tensor the caller held before the call counts (one the call made
+    # of the caller's memory, torch.from_numpy(array), dies with the call: the capture's guard
+    # judges it).
+    rebound = [
+        name for ptr, (name, storage) in held.items() if ptr in life.by_address and not storage()
+    ]
+    life.frees_reads = bool(rebound)
     if rebound:
         life.fall_back(replaces_reason(rebound[0]), raise_now=False)
-    life.frees_reads = bool(freed) and names is None
-
-
-def replaces_reason(name: str) -> str:
-    """Why a key whose call rebinds what it reads by address runs eagerly."""
-    return (
-        f"it replaces {name} on every call (a cache that grows with torch.cat does), and a "
-        f"graph would keep reading the old tensor. Use a fixed-size cache updated in place "
-        f"(transformers' StaticCache), or pass the tensor as an argument"
-    )
-
-
-def _need_gradients(leaves: List[Any]) -> bool:
-    """Whether any tensor among a call's output leaves needs gradients."""
-    return any(isinstance(o, Tensor) and o.requires_grad for o in leaves)
 
 
 def _unwatched_first_call(life: KeyLife, c: Call) -> Any:
@@ -568,11 +568,14 @@ def _unwatched_first_call(life: KeyLife, c: Call) -> Any:
 
 
 def _warm_up(life: KeyLife, c: Call) -> Any:
-    """A warmup; the first of a key whose first call ran unwatched (its eager call counted,
-    no warmup) tells the churn policy that the key repeats (``Churn.met_again``)."""
-    if life.warmups == 0 and life.eager_calls == 1:
+    """A warmup; a key's second call (its first ran unwatched, or was a plain warmup of a
+    ``warmup >= 2``) tells the churn policy that the key repeats (``Churn.met_again``),
+    unless its watch sent it eager or saw it free what it reads (a DynamicCache's decode step:
+    it repeats within one generate() and dies with its cache, never graphed)."""
+    outputs = life._warmup(c)
+    if life.calls == 2 and life.phase != EAGER and not life.frees_reads:
         c.cache.churn.met_again()
-    return life._warmup(c)
+    return outputs
 
 
 def _invalidate(life: KeyLife) -> None:

@@ -151,11 +151,12 @@ class Churn:
         replays leave the cache with it, before the next new key could see them (a
         request-scoped cache and its decode step; a graph captured ahead). One that was called
         and never replayed counts towards ``orphans`` (the next ``new_key`` decides); one
-        captured ahead and never called, or gone eager (a DynamicCache's graph, invalid at its
-        next call, then recaptured until it ran eagerly), neither."""
+        captured ahead and never called, or gone eager because its calls free what they read
+        (``frees_reads``: a DynamicCache's decode step, seen by its watched warmups or by its
+        capture), neither."""
         if entry.graph is not None and entry.replays:
             self._paid()
-        elif entry.calls and not entry.replays:
+        elif entry.calls and not entry.replays and not entry.frees_reads:
             self.died_unused += 1
 
     def met_again(self) -> None:

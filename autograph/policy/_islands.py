@@ -46,13 +46,14 @@ NO_ISLAND = False
 def eager_scope(life: Any) -> ContextManager[Any]:
     """Where ``life``'s eager call runs: its island, or inside the call (``nested_calls``).
 
-    A module call that an island graphs of itself gets no island of its own when its key is
-    eager (a function or module the user graphed, met in an island, still does). A key eager
-    for a reason its module calls share (an HF DynamicCache grown by ``torch.cat`` on every
-    call, passed down to every decoder layer and attention module) made islands inside islands
-    down to the leaves: a decode loop in a region captured about 80 graphs of single Linear
-    layers and norms in its first call (0.28x to 0.44x eager's speed on the H200), each timed
-    by the payoff check and each replay dearer than the kernel it spared."""
+    A key met in an island that runs eagerly because its calls free what they read
+    (``frees_reads``) gets no island of its own: the state it rebinds is passed down to its
+    module calls, which fall back in turn. An HF DynamicCache grown by ``torch.cat`` on every
+    call, passed to every decoder layer and attention module, made islands inside islands down
+    to the leaves: a decode loop in a region captured about 80 graphs of single Linear layers
+    and norms in its first call (0.28x to 0.44x eager's speed on the H200), each timed by the
+    payoff check and each replay dearer than the kernel it spared. Keys eager for another
+    reason (a host read) keep their islands, at any depth."""
     if (
         life.phase != "eager"
         or not life.options.islands
@@ -60,7 +61,7 @@ def eager_scope(life: Any) -> ContextManager[Any]:
         or _make_island is None
         or life.island is NO_ISLAND
         or inside_a_graphed_call()
-        or (life.function.automatic and in_an_island())
+        or (life.frees_reads and in_an_island())
     ):
         return nested_calls()
     if life.island is None:

@@ -285,6 +285,24 @@ class Survey:
         )
 
 
+def held_before(survey: Survey) -> Dict[int, Tuple[str, Any]]:
+    """By storage address, the name and a weak reference to the storage of each tensor the
+    survey reached as an attribute: a call that rebinds one lets the storage die."""
+    return {
+        ptr: (survey.names[ptr], weakref.ref(tensor.untyped_storage()))
+        for ptr, (*_, tensor) in survey.slots.items()
+    }
+
+
+def replaces_reason(name: str) -> str:
+    """Why a key whose calls rebind what they read by address runs eagerly."""
+    return (
+        f"it replaces {name} on every call (a cache that grows with torch.cat does), and a "
+        f"graph would keep reading the old tensor. Use a fixed-size cache updated in place "
+        f"(transformers' StaticCache), or pass the tensor as an argument"
+    )
+
+
 def roots_of(
     fn: Any,
     instance: Any,

@@ -348,3 +348,36 @@ def test_a_region_counts_its_calls_that_cannot_be_graphed_and_not_their_submodul
         (autograph.stats(model)[0].function, "every call", 3)
     ]
     assert autograph.stats(model[0]) == autograph.stats(model[1]) == []
+
+
+def test_a_graphed_function_keeps_its_own_options_and_key_in_a_region(device):
+    # The region's own warmup (2) is for the module calls it graphs of itself: a graphed
+    # function's key is the same inside and outside (one graph, captured ahead here).
+    w = torch.randn(8, 8, device=device)
+
+    @autograph.graphed
+    def f(x):
+        return torch.tanh(x @ w)
+
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        f.capture(x)
+        f(x)
+        with autograph.region():
+            for _ in range(3):
+                torch.testing.assert_close(f(x), torch.tanh(x @ w))
+    assert states(f) == [("graphed", 4, 0, 4)]
+
+
+def test_a_region_entered_again_inside_itself_leaves_the_stack_as_it_was(device):
+    # Leaving takes the innermost entry (list.remove took the outer one, and the disabled
+    # region between them was then the innermost no more).
+    model = Block().to(device)
+    outer = autograph.region()
+    with torch.no_grad(), outer:
+        with autograph.region(enabled=False):
+            with outer:
+                pass
+            for _ in range(4):
+                model(torch.randn(2, 4, device=device))
+    assert model.calls == 4 and autograph.stats(model) == []  # run as written, uncounted

@@ -15,14 +15,17 @@ class Cache:
 
     def new_key(self, size, graphed=False):
         entry = SimpleNamespace(
-            replays=1 if graphed else 0, graph=object() if graphed else None, calls=1
+            replays=1 if graphed else 0,
+            graph=object() if graphed else None,
+            calls=1,
+            frees_reads=False,
         )
         self.entries.append(entry)
         return self.churn.new_key(self.entries, [f"mask: i64[1, {size}] cpu"])
 
     def graphed_key(self, replays=0):
         """A key with a graph (a served model's decode step), its replays for the test to add."""
-        entry = SimpleNamespace(replays=replays, graph=object(), calls=1)
+        entry = SimpleNamespace(replays=replays, graph=object(), calls=1, frees_reads=False)
         self.entries.append(entry)
         return entry
 
@@ -114,7 +117,7 @@ def test_keys_that_die_before_they_repeat_pass_through_after_two():
     # A new object per call (HF generate(cache_implementation="static") and its StaticCache):
     # each key dies unused, so the window of 16 is not waited for.
     cache = Cache(Churn("f", window=16, first=8))
-    died = SimpleNamespace(graph=None, calls=1, replays=0)
+    died = SimpleNamespace(graph=None, calls=1, replays=0, frees_reads=False)
     assert not cache.new_key(1)
     cache.churn.key_died(died)
     assert not cache.new_key(1)
@@ -133,7 +136,7 @@ def test_a_replay_between_dying_keys_keeps_calls_keyed():
     decode = cache.graphed_key()
     for n in range(10):
         decode.replays += 5
-        cache.churn.key_died(SimpleNamespace(graph=None, calls=1, replays=0))
+        cache.churn.key_died(SimpleNamespace(graph=None, calls=1, replays=0, frees_reads=False))
         assert not cache.new_key(n)
     assert cache.churn.left == 0 and cache.churn.stats() is None
 
@@ -142,8 +145,12 @@ def test_a_key_that_replayed_and_died_with_its_object_resets_the_count():
     # Its replays leave the cache with it, before the next new key could see them.
     cache = Cache(Churn("f", window=16))
     for n in range(10):
-        cache.churn.key_died(SimpleNamespace(graph=None, calls=1, replays=0))  # a prefill
-        cache.churn.key_died(SimpleNamespace(graph=object(), calls=9, replays=8))  # its decode
+        cache.churn.key_died(
+            SimpleNamespace(graph=None, calls=1, replays=0, frees_reads=False)
+        )  # a prefill
+        cache.churn.key_died(
+            SimpleNamespace(graph=object(), calls=9, replays=8, frees_reads=False)
+        )  # its decode
         assert not cache.new_key(n)
     assert cache.churn.died_unused == 0
 
@@ -151,9 +158,13 @@ def test_a_key_that_replayed_and_died_with_its_object_resets_the_count():
 def test_keys_never_called_or_gone_eager_after_recaptures_do_not_count():
     cache = Cache(Churn("f", window=16))
     for n in range(5):
-        cache.churn.key_died(SimpleNamespace(graph=object(), calls=0, replays=0))  # capture()d
+        cache.churn.key_died(
+            SimpleNamespace(graph=object(), calls=0, replays=0, frees_reads=False)
+        )  # capture()d
         # recaptured, then eager
         cache.churn.key_died(SimpleNamespace(graph=None, calls=3, replays=2))
+        # eager once its watched warmups saw it free what it reads: no capture, no replay
+        cache.churn.key_died(SimpleNamespace(graph=None, calls=3, replays=0, frees_reads=True))
         assert not cache.new_key(n)
     assert cache.churn.died_unused == 0
 
@@ -173,7 +184,7 @@ def test_a_key_that_replayed_dying_during_a_pass_through_ends_it_at_once():
     cache = Cache(Churn("f", window=2, first=8))
     cache.new_key(0), cache.new_key(1)
     assert cache.pass_calls(3) == 3
-    cache.churn.key_died(SimpleNamespace(graph=object(), calls=9, replays=8))
+    cache.churn.key_died(SimpleNamespace(graph=object(), calls=9, replays=8, frees_reads=False))
     assert cache.pass_calls(10) == 0
     row = cache.churn.stats()
     assert row.calls == 3 and "ended when a graph replayed" in row.fallback_reason

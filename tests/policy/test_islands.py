@@ -280,3 +280,54 @@ def test_a_first_call_that_converts_what_it_reads_is_graphed_after_a_second_watc
         x = torch.randn(8, device=device)
         torch.testing.assert_close(f(x), x * 2)
     assert states(f) == [("graphed", 6, 2, 4)]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _Routed(torch.nn.Module):
+    """Reads a value on the host (a router), then runs its blocks: eager, with an island."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x):
+        if x.abs().sum() > 0:  # a host read
+            x = x * 1
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Top(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.routed, self.head = _Routed(), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        if x.mean() > 100:  # a host read
+            x = x * 0
+        return self.head(self.routed(x))
+
+
+def test_a_module_eager_for_a_host_read_in_an_island_keeps_an_island_of_its_own(device):
+    # Found by a hostile review of the one-level rule: only keys that free what they read
+    # lose their islands; a model with a host read at two depths keeps its blocks graphed.
+    torch.manual_seed(0)
+    model = _Top().to(device).eval()
+    x = torch.randn(4, 8, device=device)
+    with torch.no_grad():
+        expected = model(x)
+        f = autograph.graphed(lambda x: model(x))
+        for _ in range(10):
+            torch.testing.assert_close(f(x), expected, rtol=0, atol=0)
+    for block in model.routed.blocks:
+        (row,) = autograph.stats(block)
+        assert row.state == "graphed" and row.replays >= 3
