@@ -118,7 +118,8 @@ def test_sentence_transformers_encode_in_a_region(emulated, tmp_path):
     with autograph.region():
         for _ in range(4):
             torch.testing.assert_close(model.encode(sentences, convert_to_tensor=True), expected)
-    assert states(model) == [("graphed", 4, 1, 3)]
+    # a module the region graphs of itself: a plain call and a watched warmup, then a capture
+    assert states(model) == [("graphed", 4, 2, 2)]
 
 
 class _Small(torch.nn.Module):
