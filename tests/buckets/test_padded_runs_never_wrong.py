@@ -692,8 +692,8 @@ def test_hf_llama_with_a_static_cache_per_bucket_serves_its_first_call_of_3_rows
             )
     prompt = [r for r in step.stats() if r.bucket == 4 and f", {prompt_len}]" in r.key]
     # On CUDA the StaticCache moves its write position to the GPU at its first update, letting
-    # the CPU one go: the key is watched once more before its capture (docs/design.md, "A
-    # key's life").
+    # the CPU one go: the key is watched once more before its capture
+    # (docs/design.md, "A key's life").
     expected = ("graphed", 3, 2, 1) if device == "cuda" else ("graphed", 3, 1, 2)
     assert [(r.state, r.calls, r.eager_calls, r.replays) for r in prompt] == [expected]
 
