@@ -82,7 +82,7 @@ INSIDE_A_CAPTURE = "it is called inside a capture, of which it is part"
 
 
 class _AskTorch:
-    """``cuda.started``'s answer through torch's public check (a Python frame and a C call)."""
+    """``cuda._initialized`` answered by torch's public check (a Python frame and a C call)."""
 
     @property
     def _initialized(self) -> bool:

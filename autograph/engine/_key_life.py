@@ -548,7 +548,9 @@ def _learn_from_the_watch(
     # of the caller's memory, torch.from_numpy(array), dies with the call: the capture's guard
     # judges it).
     rebound = [
-        name for ptr, (name, storage) in held.items() if ptr in life.by_address and not storage()
+        name
+        for ptr, (name, storage) in held.items()
+        if ptr in life.by_address and storage() is None
     ]
     life.frees_reads = bool(rebound)
     if rebound:
