@@ -72,9 +72,10 @@ class Engine:
         instance_label: str = "self",
         automatic: bool = False,
     ):
-        self.function = Function(name, fn, instance_label, automatic)
+        self.function = Function(name, fn, instance_label)
         self.explicit = explicit  # the options the user set, which win over a region's
-        # Under a region's own: a module call the region graphs of itself warms up longer.
+        # Under a region's own: a module call the region graphs of itself (``automatic``, not
+        # a function or module the user graphed) warms up longer.
         self.defaults = {"warmup": _config.REGION_WARMUP} if automatic else {}
         self.options = Options(**explicit)
         self.region_options: Dict[tuple, Options] = {}

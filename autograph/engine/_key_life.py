@@ -98,8 +98,6 @@ class Function:
     name: str
     fn: Callable
     instance_label: str = "self"
-    # A module call a region graphs of itself, not a function or module the user graphed.
-    automatic: bool = False
 
     def roots(self, c: "Call") -> list:
         """Where the tensors a call of it reads may come from (``_reads.roots_of``)."""
