@@ -155,6 +155,10 @@ def region(*, enabled: bool = True, **options: Any) -> Region:
 _patch_lock = threading.Lock()
 _patch_users = 0
 _original_call = torch.nn.Module.__call__
+# Whether the __call__ a region replaced is torch's own (no other library patched it), whose
+# body a nested call may then run inline (``_region_call``); torch >= 2.1 has it.
+_torch_call = getattr(torch.nn.Module, "_wrapped_call_impl", None)
+_torch_call_is_original = False
 _module_engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
 
 
@@ -164,10 +168,16 @@ def engine_of(module: torch.nn.Module) -> Any:
 
 
 def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
-    # Dynamo first: the plain call, no guard on engines or on this thread's state. Then a
-    # submodule's call inside a graphed or passed-through one (a hundred a token for a Llama
-    # decoder): one thread-local read, no function call.
-    if _config.ENV.disable or _is_compiling() or thread.depth:
+    # Dynamo first: the plain call, no guard on engines or on this thread's state.
+    if _config.ENV.disable or _is_compiling():
+        return _original_call(module, *args, **kwargs)
+    if thread.depth:
+        # A submodule's call inside a graphed or passed-through one (a hundred a token for a
+        # Llama decoder, whose generate() in a region passes its calls through): one
+        # thread-local read, and what torch's own __call__ does, in this frame instead of a
+        # second one (0.44 us a call on a CPU, 2.5% of a token of a Llama of 8 layers).
+        if _torch_call_is_original and module._compiled_call_impl is None:
+            return module._call_impl(*args, **kwargs)
         return _original_call(module, *args, **kwargs)
     regions = thread.regions
     if (
@@ -201,10 +211,11 @@ def _class_forward(module: torch.nn.Module) -> Any:
 
 
 def _install_module_call() -> None:
-    global _patch_users, _original_call
+    global _patch_users, _original_call, _torch_call_is_original
     with _patch_lock:
         if _patch_users == 0:
             _original_call = torch.nn.Module.__call__
+            _torch_call_is_original = _torch_call is not None and _original_call is _torch_call
             torch.nn.Module.__call__ = _region_call  # type: ignore[method-assign]
         _patch_users += 1
 

@@ -381,3 +381,32 @@ def test_a_region_entered_again_inside_itself_leaves_the_stack_as_it_was(device)
             for _ in range(4):
                 model(torch.randn(2, 4, device=device))
     assert model.calls == 4 and autograph.stats(model) == []  # run as written, uncounted
+
+
+def test_submodule_calls_in_a_region_run_as_torch_would_call_them(monkeypatch):
+    """A submodule's call inside a region's call runs torch's own call inline: its hooks run,
+    a compiled submodule (``module.compile()``) runs its compiled call, and a ``__call__``
+    that another library put on ``nn.Module`` before the region still sees every call."""
+    inner, outer = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(inner, outer)
+    seen = []
+    inner.register_forward_pre_hook(lambda module, args: seen.append("pre-hook"))
+    outer._compiled_call_impl = lambda *args: seen.append("compiled") or outer._call_impl(*args)
+    x = torch.ones(2, 4)
+    with autograph.region():
+        model(x)
+    assert seen == ["pre-hook", "compiled"]
+    assert _region.thread.depth == 0
+
+    torch_call = torch.nn.Module.__call__
+    called = []
+
+    def library_call(module, *args, **kwargs):
+        called.append(type(module).__name__)
+        return torch_call(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", library_call)
+    with autograph.region():
+        model(x)
+    assert called == ["Sequential", "Linear", "Linear"]
+    assert torch.nn.Module.__call__ is library_call

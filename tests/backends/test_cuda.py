@@ -183,6 +183,33 @@ def test_replay_on_another_stream_is_ordered():
     assert states(f) == [("graphed", 6, 1, 5)]  # replays alternate between the two streams
 
 
+def test_replays_issued_on_two_streams_without_a_sync_do_not_overlap():
+    """The pool orders a replay on another stream after the last replay's stream (through one
+    event, recorded again at each switch): replays issued back to back on two streams, each
+    graph spending about a millisecond, would otherwise overwrite each other's output before
+    it is copied out."""
+
+    @autograph.graphed(check_payoff=False)
+    def f(x):
+        torch.cuda._sleep(1_000_000)
+        return x * 2 + 1
+
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    xs = [torch.full((1 << 20,), float(i), device="cuda") for i in range(8)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(streams[0]):
+        for _ in range(3):
+            f(xs[0])
+    outs = []
+    for i, x in enumerate(xs):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(f(x))
+    torch.cuda.synchronize()
+    assert [out[0].item() for out in outs] == [i * 2 + 1 for i in range(8)]
+    assert states(f) == [("graphed", 11, 1, 10)]
+
+
 def test_on_stream_switches_the_stream_and_gives_the_caller_back_after_an_error():
     from autograph.backends._streams import current_stream, on_stream
 
