@@ -22,9 +22,11 @@ import weakref
 from typing import Any, Dict, List, Set
 
 import torch
+from torch.nn.modules import module as _torch_module
 
 from .. import _config
 from .._config import Options, check_option_names
+from .._profile import torch_profiler
 from .._scope import enter_region, leave_region, thread
 from .._stats import KeyStats
 from ..backends._pool import Pools
@@ -156,8 +158,12 @@ _patch_lock = threading.Lock()
 _patch_users = 0
 _original_call = torch.nn.Module.__call__
 # Whether the __call__ a region replaced is torch's own (no other library patched it), whose
-# body a nested call may then run inline (``_region_call``); torch >= 2.1 has it.
-_torch_call = getattr(torch.nn.Module, "_wrapped_call_impl", None)
+# body a nested call may then run inline (``_region_call``); torch >= 2.1 has it. Known by its
+# code, compiled from torch's module file: a library may have replaced the function before
+# autograph was imported, and a wrapper made with functools.wraps copies its names.
+_torch_call_code = getattr(getattr(torch.nn.Module, "_wrapped_call_impl", None), "__code__", None)
+if _torch_call_code is not None and _torch_call_code.co_filename != _torch_module.__file__:
+    _torch_call_code = None
 _torch_call_is_original = False
 _module_engines: "weakref.WeakKeyDictionary[torch.nn.Module, Engine]" = weakref.WeakKeyDictionary()
 
@@ -175,8 +181,13 @@ def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         # A submodule's call inside a graphed or passed-through one (a hundred a token for a
         # Llama decoder, whose generate() in a region passes its calls through): one
         # thread-local read, and what torch's own __call__ does, in this frame instead of a
-        # second one (0.44 us a call on a CPU, 2.5% of a token of a Llama of 8 layers).
-        if _torch_call_is_original and module._compiled_call_impl is None:
+        # second one (0.44 us a call on a CPU, 2.5% of a token of a Llama of 8 layers). Not
+        # while torch's profiler runs: with_stack finds module calls by that frame.
+        if (
+            _torch_call_is_original
+            and not torch_profiler._is_profiler_enabled
+            and module._compiled_call_impl is None
+        ):
             return module._call_impl(*args, **kwargs)
         return _original_call(module, *args, **kwargs)
     regions = thread.regions
@@ -215,7 +226,10 @@ def _install_module_call() -> None:
     with _patch_lock:
         if _patch_users == 0:
             _original_call = torch.nn.Module.__call__
-            _torch_call_is_original = _torch_call is not None and _original_call is _torch_call
+            _torch_call_is_original = (
+                _torch_call_code is not None
+                and getattr(_original_call, "__code__", None) is _torch_call_code
+            )
             torch.nn.Module.__call__ = _region_call  # type: ignore[method-assign]
         _patch_users += 1
 

@@ -4,7 +4,9 @@ Run on CPU tensors through the CPU emulation of CUDA graphs, and on a GPU where 
 """
 
 import contextlib
+import functools
 import gc
+import json
 import threading
 import weakref
 
@@ -401,6 +403,7 @@ def test_submodule_calls_in_a_region_run_as_torch_would_call_them(monkeypatch):
     torch_call = torch.nn.Module.__call__
     called = []
 
+    @functools.wraps(torch_call)  # its names are torch's: autograph must tell it by its code
     def library_call(module, *args, **kwargs):
         called.append(type(module).__name__)
         return torch_call(module, *args, **kwargs)
@@ -410,3 +413,17 @@ def test_submodule_calls_in_a_region_run_as_torch_would_call_them(monkeypatch):
         model(x)
     assert called == ["Sequential", "Linear", "Linear"]
     assert torch.nn.Module.__call__ is library_call
+
+
+def test_the_profiler_sees_submodule_calls_inside_a_region(tmp_path):
+    """torch's profiler finds module calls by the frame of torch's ``__call__`` (``with_stack``,
+    ``with_modules``): while it runs, a submodule's call inside a region's call keeps that frame."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with torch.profiler.profile(with_stack=True, with_modules=True) as profiler:
+        with autograph.region():
+            model(torch.ones(2, 4))
+    trace = tmp_path / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    modules = {e["name"] for e in events if e.get("name", "").startswith("nn.Module: ")}
+    assert {"nn.Module: Linear_0", "nn.Module: ReLU_0"} <= modules
