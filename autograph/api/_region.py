@@ -225,7 +225,10 @@ def _install_module_call() -> None:
     global _patch_users, _original_call, _torch_call_is_original
     with _patch_lock:
         if _patch_users == 0:
-            _original_call = torch.nn.Module.__call__
+            # The dispatcher may be there already: a library that saved it while a region was
+            # open and put it back after. The call under it is then still the one saved last.
+            if torch.nn.Module.__call__ is not _region_call:
+                _original_call = torch.nn.Module.__call__
             _torch_call_is_original = (
                 _torch_call_code is not None
                 and getattr(_original_call, "__code__", None) is _torch_call_code

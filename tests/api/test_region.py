@@ -427,3 +427,18 @@ def test_the_profiler_sees_submodule_calls_inside_a_region(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     modules = {e["name"] for e in events if e.get("name", "").startswith("nn.Module: ")}
     assert {"nn.Module: Linear_0", "nn.Module: ReLU_0"} <= modules
+
+
+def test_a_dispatcher_a_library_put_back_after_a_region_does_not_call_itself(monkeypatch):
+    """A library that saved ``nn.Module.__call__`` while a region was open (the region's
+    dispatcher) and puts it back after: the next region keeps calling torch's call under it."""
+    torch_call = torch.nn.Module.__call__
+    with autograph.region():
+        saved = torch.nn.Module.__call__
+    monkeypatch.setattr(torch.nn.Module, "__call__", saved)
+    model = torch.nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    with autograph.region():
+        assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
+    assert torch.equal(model(x), torch.nn.functional.linear(x, model.weight, model.bias))
+    assert torch.nn.Module.__call__ is torch_call
