@@ -190,11 +190,8 @@ def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
         ):
             return module._call_impl(*args, **kwargs)
         return _original_call(module, *args, **kwargs)
-    regions = thread.regions
     if (
-        not regions
-        or not regions[-1].enabled
-        or isinstance(installed_forward(module), GraphedForward)
+        not thread.regions or thread.off or isinstance(installed_forward(module), GraphedForward)
     ):  # graphed(module) graphs itself
         return _original_call(module, *args, **kwargs)
     engine = _module_engines.get(module)

@@ -114,11 +114,10 @@ class Engine:
         return self.route(call, instance, args, kwargs)
 
     def route(self, call: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-        """Key the call and hand it to its key's life."""
+        """Key the call and hand it to its key's life. Its callers have stepped aside for a
+        disabled region (``thread.off``)."""
         regions = thread.regions
         region = regions[-1] if regions else None
-        if region is not None and not region.enabled:
-            return call(*args, **kwargs)
         reason = _devices.why_not_keyed(args, kwargs)
         if reason is not None:
             if reason is _devices.INSIDE_A_CAPTURE:
