@@ -10,7 +10,12 @@ here, because only the pool sees every graph in it:
 - a static output handed out by one graph can be overwritten by the replay of *another*
   graph of the pool, so every replay poisons every static output handed out before it;
 - one graph's memory must not be used by two streams at once, so a replay on a new stream
-  first waits for the stream of the previous replay in the pool.
+  first waits for the stream of the previous replay in the pool;
+- a replay, from that wait to the copy of its outputs, is one step in the pool's order: a
+  replay of another graph issued in between (from another thread: a region's modules each
+  have their cache and its lock, and a training graph's backward runs in autograd's thread)
+  would overwrite an output or an activation before it is read, on one stream as on two. So
+  every replay holds the pool's ``lock`` from its wait to its copy.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ class Pool:
         self.last_stream: Any = None
         self.last_raw_stream: Optional[int] = None
         self._switch_event: Any = None  # made at the first switch of streams
-        self._switch_lock = threading.Lock()
+        # Held by every replay from its stream order to its outputs' copy; re-entrant: a
+        # bucket's probe replays again inside its own hold.
+        self.lock = threading.RLock()
         # Whether a replay has work to do first (``before_replay``): read inline on the replay
         # path, so that a pool with nothing to do costs no call.
         self.on_cuda = backend.device_type == "cuda"
@@ -57,8 +64,9 @@ class Pool:
         return self.handle
 
     def before_replay(self) -> None:
-        """Run before every replay (the capture call's included) of a graph of this pool;
-        the replay path may skip it when neither ``static_plans`` nor ``on_cuda`` is set."""
+        """Run before every replay (the capture call's included) of a graph of this pool,
+        under ``lock``; the replay path may skip it when neither ``static_plans`` nor
+        ``on_cuda`` is set."""
         if self.static_plans:
             for key, plan_ref in list(self.static_plans.items()):
                 plan = plan_ref()
@@ -82,12 +90,11 @@ class Pool:
         host, and a training step switches twice (its forward replays on the caller's stream,
         its backward on autograd's)."""
         current = current_stream(self.device)
-        if self.last_stream is not None:
-            with self._switch_lock:  # another thread's record must not come between
-                if self._switch_event is None:
-                    self._switch_event = torch.cuda.Event()
-                self._switch_event.record(self.last_stream)
-                self._switch_event.wait(current)
+        if self.last_stream is not None:  # under ``lock``: no other record comes between
+            if self._switch_event is None:
+                self._switch_event = torch.cuda.Event()
+            self._switch_event.record(self.last_stream)
+            self._switch_event.wait(current)
         self.last_stream, self.last_raw_stream = current, raw
 
 

@@ -399,25 +399,28 @@ def probed_replay(life: Any, c: Any, graph: Any, copy_in: bool) -> Tuple[Any, bo
     padding = c.padding
     rows, plan = padding.rows, graph.outputs
     plan.slice_dims(padding.shapes.decided)
-    if copy_in:
-        graph.inputs.copy_in(c.tensors, rows)
-    statics = graph.inputs.statics
-    padded = [(statics[i], spec[0]) for i, spec in enumerate(padding.dims) if spec is not None]
-    written = [statics[i] for i in graph.mutated] + life.state_written
-    before = SavedState([s for s, _ in padded] + written)
-    callers = SavedState([c.tensors[i] for i in graph.mutated])  # written back by the replay
-    life.replays += 1
-    with profile_range("replay", life.function.name, life.label):
-        outputs = graph.replay(c.tensors, padding, copy_in=False)
-    first = [o.clone() for o in plan.owned]
+    with graph.pool.lock:  # its replays and the reads of their outputs, one step of the pool
+        if copy_in:
+            graph.inputs.copy_in(c.tensors, rows)
+        statics = graph.inputs.statics
+        padded = [(statics[i], spec[0]) for i, spec in enumerate(padding.dims) if spec is not None]
+        written = [statics[i] for i in graph.mutated] + life.state_written
+        before = SavedState([s for s, _ in padded] + written)
+        callers = SavedState([c.tensors[i] for i in graph.mutated])  # written back by the replay
+        life.replays += 1
+        with profile_range("replay", life.function.name, life.label):
+            outputs = graph.replay(c.tensors, padding, copy_in=False)
+        first = [o.clone() for o in plan.owned]
 
-    def replay_owned() -> Any:
-        graph.graph.replay()
-        return plan.owned
+        def replay_owned() -> Any:
+            graph.graph.replay()
+            return plan.owned
 
-    arguments = {id(c.tensors[i]) for i in c.addressed}
-    shared = [t for t in life.state_written if id(t) not in arguments]
-    finding = mixes_rows(replay_owned, padded, rows, written, first, plan.follows, before, shared)
+        arguments = {id(c.tensors[i]) for i in c.addressed}
+        shared = [t for t in life.state_written if id(t) not in arguments]
+        finding = mixes_rows(
+            replay_owned, padded, rows, written, first, plan.follows, before, shared
+        )
     if finding is None:
         return outputs, True
     before.restore()

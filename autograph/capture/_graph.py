@@ -84,16 +84,17 @@ class Graph:
         back, and return this call's outputs."""
         rows = None if padding is None else padding.rows
         pool = self.pool
-        if pool.static_plans or pool.on_cuda:  # else it has nothing to do: no call
-            pool.before_replay()
-        if copy_in:
-            self.inputs.copy_in(tensors, rows)
-        self.graph.replay()
-        if self.mutated:
-            self.inputs.copy_back(tensors, rows)
-        if self.grads is not None:
-            self.grads.bind()
-        return self.outputs.produce(tensors, padding)
+        with pool.lock:  # from the stream order to the outputs' copy (``Pool.lock``)
+            if pool.static_plans or pool.on_cuda:  # else it has nothing to do: no call
+                pool.before_replay()
+            if copy_in:
+                self.inputs.copy_in(tensors, rows)
+            self.graph.replay()
+            if self.mutated:
+                self.inputs.copy_back(tensors, rows)
+            if self.grads is not None:
+                self.grads.bind()
+            return self.outputs.produce(tensors, padding)
 
     def may_replay(self) -> bool:
         """Whether nothing the graph reads by address changed in a way it cannot follow."""

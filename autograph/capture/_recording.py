@@ -170,7 +170,8 @@ def record(
         if capture.error is not None:  # the function's own: run what it did before, raise it
             _refuse_if_padded(request.padding, capture)
             error = capture.error
-            with torch.no_grad():
+            with torch.no_grad(), request.pool.lock:
+                request.pool.before_replay()
                 capture.graph.replay()
                 inputs.copy_back(request.tensors, request.rows)
             # The traceback keeps this frame alive: drop the graph now, not at a later garbage

@@ -210,8 +210,10 @@ class _Replay(torch.autograd.Function):
                 f"penalties). Run this call eagerly: call it inside "
                 f"autograph.region(enabled=False)."
             )
-        graph.pool.before_replay()
-        return (None, None, None, None, *graph.backward.replay(grads, ctx.needs_input_grad[4:]))
+        with graph.pool.lock:  # from the stream order to the gradients' copy (``Pool.lock``)
+            graph.pool.before_replay()
+            handed = graph.backward.replay(grads, ctx.needs_input_grad[4:])
+        return (None, None, None, None, *handed)
 
 
 def _refuse_before_capture(request: CaptureRequest) -> None:
@@ -434,13 +436,14 @@ class TrainingGraph(Graph):
 
     def replay_forward(self, tensors: Sequence[Tensor], copy_in: bool) -> List[Tensor]:
         """Copy in, replay the forward graph, copy written arguments back; fresh outputs."""
-        self.pool.before_replay()
-        if copy_in:
-            self.inputs.copy_in(tensors)
-        self.graph.replay()
-        if self.mutated:
-            self.inputs.copy_back(tensors)
-        return [o.clone() for o in self.outputs.owned]
+        with self.pool.lock:  # from the stream order to the outputs' copy (``Pool.lock``)
+            self.pool.before_replay()
+            if copy_in:
+                self.inputs.copy_in(tensors)
+            self.graph.replay()
+            if self.mutated:
+                self.inputs.copy_back(tensors)
+            return [o.clone() for o in self.outputs.owned]
 
     def may_replay(self) -> bool:
         if self.invalid_reason is None and self.backward is not None:
