@@ -30,6 +30,7 @@ from .._profile import profile_range, torch_profiler
 from .._scope import nested_calls
 from .._stats import KeyStats
 from .._warn import warn_user
+from ..backends._pool import Pools
 from ..buckets._bucket_runs import (
     capture_call,
     capture_replay,
@@ -207,6 +208,7 @@ class KeyLife:
         "bucket",
         "sizes",
         "trains",
+        "pools",
         "builds_graph",
         "payoff",
         "gain",
@@ -254,6 +256,7 @@ class KeyLife:
         self.state_written: List[Tensor] = []
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
+        self.pools: Optional[Pools] = None  # a training key's own (``_record``)
         # Whether its watched warmup could build an autograd graph (None: no warmup ran); an
         # eager call that cannot runs on the caller's stream (``run_eagerly``).
         self.builds_graph: Optional[bool] = None
@@ -602,9 +605,10 @@ def _record(life: KeyLife, c: Call) -> Graph:
     """Record ``life``'s graph for the call ``c`` (nothing runs); ``CaptureFailed`` if it
     cannot be."""
     label = f"{life.function.name}({life.label})"
-    pool = (c.region.pools if c.region is not None else c.cache.pools).get(
-        life.backend, life.device
-    )
+    owner = c.region.pools if c.region is not None else c.cache.pools
+    if life.trains:  # its activations, live until its backward, in no one's scratch ("Pools")
+        life.pools = owner = life.pools or Pools()
+    pool = owner.get(life.backend, life.device)
     # The warmup's cuDNN ops made this thread's handle; another thread needs one made
     # before its capture, and making it (a small convolution) costs a fraction of a second.
     cudnn = life.uses_cudnn and life.warmup_thread != threading.get_ident()
