@@ -8,6 +8,7 @@ import functools
 import gc
 import json
 import threading
+import time
 import weakref
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 import autograph
 from autograph import _config, _scope
 from autograph.api import _region
+from autograph.testing import emulate_graphs_on_cpu
 
 from conftest import autograph_warnings, is_label_of, python_run_log, states
 
@@ -169,6 +171,56 @@ def test_regions_are_per_thread(device):
         worker.join()
     assert states(model) == [("graphed", 4, 2, 2)]
     assert model.calls == 3 + 5
+
+
+def test_threads_sharing_a_region_take_turns_from_replay_to_output_copy(monkeypatch):
+    # Graphs of one region share a pool (on a GPU, one graph's output may sit in another's
+    # scratch): each replay, from its start to the copy of its outputs, is one step of the
+    # pool's order, although the two modules' calls go through two caches and their locks.
+    # The emulation gives each graph memory of its own, so the order itself is checked.
+    from autograph.backends._cpu_graphs import CpuGraph
+    from autograph.capture._plan import OutputPlan
+
+    events = []
+    replay, produce = CpuGraph.replay, OutputPlan.produce
+
+    def slow_replay(self):
+        events.append(("replay", threading.get_ident()))
+        time.sleep(0.002)  # the GIL goes to the other thread here, as a CUDA launch lets it
+        replay(self)
+
+    def recorded_produce(self, *args, **kwargs):
+        events.append(("copy", threading.get_ident()))
+        return produce(self, *args, **kwargs)
+
+    with emulate_graphs_on_cpu(), torch.no_grad():
+        region = autograph.region(check_payoff=False, warmup=1)
+        modules, x = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], torch.randn(2, 4)
+        with region:
+            for m in modules:
+                for _ in range(3):
+                    m(x)
+        monkeypatch.setattr(CpuGraph, "replay", slow_replay)
+        monkeypatch.setattr(OutputPlan, "produce", recorded_produce)
+
+        def work(module):
+            with torch.no_grad():  # grad mode is per thread
+                for _ in range(20):
+                    with region:
+                        module(x)
+
+        threads = [threading.Thread(target=work, args=(m,)) for m in modules]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(events) == 2 * 2 * 20 and len({thread for _, thread in events}) == 2
+    # each replay followed by its own copy, before any other replay
+    assert all(
+        (first[0], second[0], first[1]) == ("replay", "copy", second[1])
+        for first, second in zip(events[::2], events[1::2])
+    ), events
+    assert [states(m) for m in modules] == [[("graphed", 23, 1, 22)]] * 2
 
 
 def global_state():
