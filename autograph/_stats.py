@@ -26,8 +26,9 @@ class KeyStats:
     ``graph_bytes`` is what the capture added to the device's reserved memory: the new
     memory its pool took. Graphs of one function (or one region) share a pool, captured
     largest first a later graph reuses the earlier ones' blocks and adds little, so the sum
-    over a function's keys is the memory its graphs hold. ``bucket`` and ``sizes`` (calls
-    by their real size) are set for bucketed keys; ``real_rows``, ``padded_rows``,
+    over a function's keys is the memory its graphs hold (a key that trains, or runs a
+    backward inside, has a pool of its own: its figure is all its own). ``bucket`` and
+    ``sizes`` (calls by their real size) are set for bucketed keys; ``real_rows``, ``padded_rows``,
     ``padding_share`` (pad rows over all rows run) and ``padding_waste`` follow from them.
     ``verified`` counts the replays that verify mode checked against an eager run and found
     equal. ``gain`` is eager's time over the replay's as measured on the GPU clock after

@@ -365,7 +365,7 @@ def note_capture(life: Any, graph: Any, padding: Any) -> bool:
     return False
 
 
-def first_padded_replay(life: Any, c: Any) -> Any:
+def first_padded_replay(life: Any, c: Any, graph: Any) -> Any:
     """A call with pad rows to a graph that has not replayed with pad rows yet: probed; or
     run eagerly while the dims to slice are unknown, or while a stateless key has run at its
     bucket's size only (its run as called shows them, and the numbers it reads from the size);
@@ -386,7 +386,7 @@ def first_padded_replay(life: Any, c: Any) -> Any:
     if read is not None:
         refuse(life, read)
         return life.run_eagerly(c)
-    outputs, kept = _first_replay_at_rows(life, c, life.graph, True, padding.runs_as_called)
+    outputs, kept = _first_replay_at_rows(life, c, graph, True, padding.runs_as_called)
     if kept:
         c.note(life, "replays")
     return outputs

@@ -7,10 +7,9 @@
 Phases (docs/design.md, "A key's life"): ``warmup`` (eager calls, the last one watched),
 ``capture`` (the next call records the graph and replays it once for its result), ``graphed``
 (calls replay), ``eager`` (every call runs eagerly, for the reason said). A graph whose reads
-were freed is captured again, at most ``MAX_RECAPTURES`` times. Every call runs the function's
-GPU work exactly once, whichever step it hits. The key's counters live here; the region a call
-is made in is told of each event (``Region.note``); verify mode and profiler ranges wrap a
-replay (``_observed_replay``); ranks vote on its capture (``_ranks``).
+were freed is captured again, at most ``MAX_RECAPTURES`` times. Every call runs its GPU work
+once, whichever step it hits. The region a call is made in is told of each event; verify mode
+and profiler ranges wrap a replay (``_observed_replay``); ranks vote on a capture (``_ranks``).
 """
 
 from __future__ import annotations
@@ -208,7 +207,6 @@ class KeyLife:
         "bucket",
         "sizes",
         "trains",
-        "pools",
         "builds_graph",
         "payoff",
         "gain",
@@ -256,7 +254,6 @@ class KeyLife:
         self.state_written: List[Tensor] = []
         self.bucket = bucket  # the capture size, for a bucketed key
         self.trains = False  # its outputs need gradients: forward and backward are graphed
-        self.pools: Optional[Pools] = None  # a training key's own (``_record``)
         # Whether its watched warmup could build an autograd graph (None: no warmup ran); an
         # eager call that cannot runs on the caller's stream (``run_eagerly``).
         self.builds_graph: Optional[bool] = None
@@ -312,12 +309,12 @@ class KeyLife:
     def run(self, c: Call) -> Any:
         """Everything but a plain replay: a checked or profiled replay, or a step of the
         key's life."""
-        graph = self.graph
+        graph = self.graph  # the one checked (another thread may drop it: ``_memory_budget``)
         if graph is not None and self._may_replay(graph, c.tensors):
             padding = c.padding  # a bucket's first call with pad rows: probed (_bucket_runs)
             if padding and padding.rows < padding.bucket and padding.rows not in graph.rows_checked:
-                return first_padded_replay(self, c)
-            return self._observed_replay(c)
+                return first_padded_replay(self, c, graph)
+            return self._observed_replay(c, graph)
         if graph is not None:
             if graph.may_replay():  # aliased, busy, or a Python value read changed: eager
                 return self.run_eagerly(c)
@@ -334,16 +331,18 @@ class KeyLife:
             raise CaptureError(self.strict_error)
         return self.run_eagerly(c)
 
-    def _observed_replay(self, c: Call) -> Any:
-        """A replay verify mode checks against an eager run first, or a profiler names."""
-        if self.checks_left or self.payoff:  # verify's checks first, then the payoff
-            return checked_replay(self, c, run_call) if self.checks_left else timed_call(self, c)
+    def _observed_replay(self, c: Call, graph: Graph) -> Any:
+        """A replay verify mode checks against an eager run first, timed, or profiled."""
+        if self.checks_left:  # verify's checks first, then the payoff
+            return checked_replay(self, c, graph, run_call)
+        if self.payoff:
+            return timed_call(self, c, graph)
         self.replays += 1
         _clock[0] += 1
         self.last_replay = _clock[0]
         c.note(self, "replays")
         with profile_range("replay", self.function.name, self.label):
-            return self.graph.replay(c.tensors, c.padding)
+            return graph.replay(c.tensors, c.padding)
 
     # ---- eager calls ----
 
@@ -504,9 +503,9 @@ class KeyLife:
     ) -> None:
         """Run this key eagerly from now on, said once (``strict``: raise ``CaptureError``)."""
         self.phase, self.reason = EAGER, reason
-        if self.graph is not None:
-            self.graph.release()
-            self.graph = None
+        graph, self.graph = self.graph, None
+        if graph is not None:
+            graph.release()
         message = f"{self.function.name}({self.label}) runs eagerly: {reason}"
         logger.info(message)
         if strict and self.options.raises_on_fallback:
@@ -606,8 +605,8 @@ def _record(life: KeyLife, c: Call) -> Graph:
     cannot be."""
     label = f"{life.function.name}({life.label})"
     owner = c.region.pools if c.region is not None else c.cache.pools
-    if life.trains:  # its activations, live until its backward, in no one's scratch ("Pools")
-        life.pools = owner = life.pools or Pools()
+    if life.trains or (torch.is_grad_enabled() and life.builds_graph is not False):
+        owner = Pools()  # memory outliving its replay (activations, .grad): see "Pools"
     pool = owner.get(life.backend, life.device)
     # The warmup's cuDNN ops made this thread's handle; another thread needs one made
     # before its capture, and making it (a small convolution) costs a fraction of a second.

@@ -321,14 +321,14 @@ def verified_replay(
     return expected_outputs, explain(difference)
 
 
-def checked_replay(life: Any, c: Any, run_call: Callable[[Any, Any], Any]) -> Any:
+def checked_replay(life: Any, c: Any, graph: Any, run_call: Callable[[Any, Any], Any]) -> Any:
     """Verify mode's replay of ``life``'s key (``_key_life.KeyLife``): checked against an
     eager run, made as the key's eager calls are (``run_call``: padded where the key has
     per-bucket state); a mismatch makes the key eager, and the caller gets the eager run's
     outputs and effects."""
     life.checks_left -= 1
     outputs, mismatch = verified_replay(
-        lambda: life.graph.replay(c.tensors, c.padding),
+        lambda: graph.replay(c.tensors, c.padding),
         c,
         life.function.name,
         life.label,

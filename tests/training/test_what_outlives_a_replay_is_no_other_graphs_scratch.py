@@ -1,7 +1,8 @@
-"""A training graph's activations live from its forward's replay to its backward's: no other
-graph may use their memory as scratch in between (docs/design.md, "Pools"). Graphs of one
-function, or of one region, share a pool, where a graph captured later takes the blocks an
-earlier one used as scratch; so a key that trains gets a pool of its own.
+"""What a graph leaves in its memory for later, a training graph's activations (read by its
+backward) or the `.grad` a whole step's backward set, must be no other graph's scratch
+(docs/design.md, "Pools"). Graphs of one function, or of one region, share a pool, where a
+graph captured later takes the blocks an earlier one used as scratch; so a key whose call
+runs a backward or leaves one to run gets a pool of its own, a new one at each capture.
 
 Only a GPU shows the harm (the CPU emulation gives every graph memory of its own); the pool
 each key was given is checked on both."""
@@ -105,3 +106,48 @@ def test_two_keys_of_one_model_called_in_either_order_before_one_backward():
     assert sum(row.replays for row in autograph.stats(graphed)) >= 12
     first_pool, second_pool = pools_of(graphed.forward._self_engine)
     assert first_pool is not second_pool
+
+
+def test_a_whole_step_gets_a_pool_of_its_own_for_the_grads_it_leaves(device):
+    # Its backward runs inside, its loss comes out detached (it does not "train"), and the
+    # .grad it set is the graph's memory until the optimizer reads it after the call.
+    model = wide_mlp(device, 3)
+    weights = torch.randn(64, 64, device=device)
+
+    @autograph.graphed
+    def probe(x):  # another graph of the region, captured first
+        return torch.tanh(x @ weights).sum(0)
+
+    @autograph.graphed
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    region = autograph.region(warmup=1, check_payoff=False)
+    for _ in range(3):
+        with region:
+            probe(torch.randn(8, 64, device=device))
+        model.zero_grad(set_to_none=True)
+        with region:
+            step(torch.randn(8, 64, device=device))
+    assert states(probe) == states(step) == [("graphed", 3, 1, 2)]
+    [probe_pool], [step_pool] = pools_of(probe._self_engine), pools_of(step._self_engine)
+    assert probe_pool is region.pools.get(probe_pool.backend, probe_pool.device)
+    assert step_pool is not probe_pool
+
+
+def test_a_training_key_captured_again_while_its_old_backward_waits_gets_a_new_pool(device):
+    model = wide_mlp(device, 4)
+    graphed = autograph.graphed(model, warmup=1, check_payoff=False)
+    for _ in range(3):
+        graphed(torch.randn(8, 64, device=device)).sum().backward()
+    [old] = [life.graph for life in graphed.forward._self_engine.cache.entries.values()]
+    first = graphed(torch.randn(8, 64, device=device))  # its backward still to run
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())  # read by address
+    second = graphed(torch.randn(8, 64, device=device))  # captured again
+    [new] = [life.graph for life in graphed.forward._self_engine.cache.entries.values()]
+    assert new is not old and new.pool is not old.pool
+    first.sum().backward()  # the old graph's backward: its scratch is not the new activations
+    second.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
