@@ -30,6 +30,8 @@ from ._last_key import LastKey
 def _object_died(cache_ref: "weakref.ref[KeyCache]", object_id: int, keys: Set[Any]) -> None:
     cache = cache_ref()
     if cache is not None:
+        # In whichever thread dropped the object, at any point (a lock here could wait on a
+        # thread that waits on this one): each step one C call, and readers take copies.
         cache._watchers.pop(object_id, None)
         cache.dead_keys.extend(keys)
 
@@ -96,15 +98,16 @@ class KeyCache:
         self._last_keys.pop(key, None)
         if self.last is not None and self.last.key == key:
             self.last = None
-        if entry.graph is not None:
-            entry.graph.release()
+        graph = entry.graph  # read once: a region's budget may drop it from another thread
+        if graph is not None:
+            graph.release()
         for object_id in entry.identity_ids:
             watcher = self._watchers.get(object_id)
             if watcher is not None:
                 watcher[1].discard(key)
                 if not watcher[1]:
                     watcher[0].detach()
-                    del self._watchers[object_id]
+                    self._watchers.pop(object_id, None)
 
     def batch_shapes_of(self, family: Any, options: Options) -> BatchShapes:
         """The output shapes seen so far of a bucketed family's runs."""
@@ -190,7 +193,7 @@ class KeyCache:
             self.said.clear()
             self.churn.reset()
             self.dead_keys.clear()
-            for finalizer, _ in self._watchers.values():
+            for finalizer, _ in list(self._watchers.values()):  # a copy: see _object_died
                 finalizer.detach()
             self._watchers.clear()
             return sorted(devices)

@@ -318,7 +318,7 @@ class KeyLife:
         if graph is not None:
             if graph.may_replay():  # aliased, busy, or a Python value read changed: eager
                 return self.run_eagerly(c)
-            _invalidate(self)
+            _invalidate(self, graph)
         if self.phase == WARMUP:
             return _unwatched_first_call(self, c) if self.watch_later else _warm_up(self, c)
         if self.phase == CAPTURE:
@@ -580,10 +580,10 @@ def _warm_up(life: KeyLife, c: Call) -> Any:
     return outputs
 
 
-def _invalidate(life: KeyLife) -> None:
-    """A graph whose reads were freed is dropped; its key captures again, at most
+def _invalidate(life: KeyLife, graph: Graph) -> None:
+    """``graph``, whose reads were freed, is dropped; its key captures again, at most
     ``MAX_RECAPTURES`` times."""
-    graph, life.graph = life.graph, None
+    life.graph = None
     graph.release()
     life.trains = life.trains or graph.unfrozen  # its outputs will need gradients now
     life.builds_graph = life.builds_graph or graph.unfrozen

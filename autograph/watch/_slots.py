@@ -30,6 +30,7 @@ old memory stays alive; any graph misses memory swapped by ``p.set_(other)`` or
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -55,6 +56,9 @@ class Registrations:
     count = 0
     _handles: List[Any] = []
     _watches = 0
+    # Adding and dropping watches (a drop runs as a finalizer, in any thread, maybe inside an
+    # add): unlocked, a drop could take away the property an add in another thread installed.
+    _lock = threading.RLock()
 
     @classmethod
     def _bump(cls, *args: Any) -> None:
@@ -62,31 +66,34 @@ class Registrations:
 
     @classmethod
     def add_watch(cls) -> None:
-        if cls._watches == 0:
-            cls._handles = [
-                register(cls._bump)
-                for register in (
-                    _module.register_module_parameter_registration_hook,
-                    _module.register_module_buffer_registration_hook,
-                    _module.register_module_module_registration_hook,
+        with cls._lock:
+            if cls._watches == 0:
+                cls._handles = [
+                    register(cls._bump)
+                    for register in (
+                        _module.register_module_parameter_registration_hook,
+                        _module.register_module_buffer_registration_hook,
+                        _module.register_module_module_registration_hook,
+                    )
+                ]
+                # torch has no hook for the setter: a parameter's ``.data`` is a Python
+                # property over the C one while a watch lives (Dynamo traces ``.data`` by
+                # name, not by this; plain tensors, and subclasses with a
+                # ``__torch_function__``, keep theirs).
+                torch.nn.Parameter.data = property(  # type: ignore[method-assign]
+                    _tensor_data.__get__, _set_data, doc=_tensor_data.__doc__
                 )
-            ]
-            # torch has no hook for the setter: a parameter's ``.data`` is a Python property
-            # over the C one while a watch lives (Dynamo traces ``.data`` by name, not by
-            # this; plain tensors, and subclasses with a ``__torch_function__``, keep theirs).
-            torch.nn.Parameter.data = property(  # type: ignore[method-assign]
-                _tensor_data.__get__, _set_data, doc=_tensor_data.__doc__
-            )
-        cls._watches += 1
+            cls._watches += 1
 
     @classmethod
     def drop_watch(cls) -> None:
-        cls._watches -= 1
-        if cls._watches == 0:
-            for handle in cls._handles:
-                handle.remove()
-            cls._handles = []
-            del torch.nn.Parameter.data  # the C property again
+        with cls._lock:
+            cls._watches -= 1
+            if cls._watches == 0:
+                for handle in cls._handles:
+                    handle.remove()
+                cls._handles = []
+                del torch.nn.Parameter.data  # the C property again
 
 
 registrations = Registrations
