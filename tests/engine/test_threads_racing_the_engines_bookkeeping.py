@@ -17,6 +17,24 @@ from autograph.testing import emulate_graphs_on_cpu
 from autograph.watch._slots import Registrations
 
 
+def _called_in_a_thread(region, module, x, before=lambda: None):
+    """Call ``module(x)`` in ``region`` in a new thread: (the thread, started; its errors;
+    its outputs)."""
+    errors, outputs = [], []
+
+    def call():
+        before()
+        try:
+            with torch.no_grad(), region:
+                outputs.append(module(x))
+        except Exception as error:  # noqa: BLE001 - the test asserts there are none
+            errors.append(error)
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    return worker, errors, outputs
+
+
 def test_a_call_capturing_again_survives_another_threads_eviction_of_its_graph(monkeypatch):
     with emulate_graphs_on_cpu(), torch.no_grad():
         x = torch.randn(32, 64)
@@ -30,26 +48,16 @@ def test_a_call_capturing_again_survives_another_threads_eviction_of_its_graph(m
         kept = second.weight  # held elsewhere (an optimizer): the replaced slot tells
         second.weight = torch.nn.Parameter(torch.randn(64, 64))
         entered, go_on = threading.Event(), threading.Event()
-        invalidate = _key_life._invalidate
+        invalidate, caller = _key_life._invalidate, threading.current_thread()
 
         def paused(*args):  # between the call's check of its graph and its drop
-            if threading.current_thread() is worker:
+            if threading.current_thread() is not caller:
                 entered.set()
                 go_on.wait(10)
             return invalidate(*args)
 
         monkeypatch.setattr(_key_life, "_invalidate", paused)
-        errors, outputs = [], []
-
-        def call_second():
-            try:
-                with torch.no_grad(), region:
-                    outputs.append(second(x))
-            except Exception as error:  # noqa: BLE001 - reported below
-                errors.append(error)
-
-        worker = threading.Thread(target=call_second)
-        worker.start()
+        worker, errors, outputs = _called_in_a_thread(region, second, x)
         try:
             assert entered.wait(10)
             with region:
@@ -160,3 +168,47 @@ def test_reset_while_an_identity_keyed_object_dies_in_another_thread(monkeypatch
             resetter.join(10)
         assert errors == []
         assert graphed.stats() == []
+
+
+def test_a_region_call_finishes_its_checked_replay_when_another_thread_drops_its_graph(device):
+    # In a region the budget spans the modules' caches: one module's capture drops another's
+    # graph without that module's lock, while another thread is in the middle of a verified
+    # call of it (between the check and the replay). That call replays the graph it checked.
+    entered, go_on = threading.Event(), threading.Event()
+    pause = threading.local()
+
+    class Paused(torch.nn.Linear):
+        def forward(self, x):
+            if getattr(pause, "here", False):  # inside the verify's eager run
+                pause.here = False
+                entered.set()
+                go_on.wait(10)
+            return super().forward(x)
+
+    x = torch.randn(32, 64, device=device)
+    sizer = autograph.graphed(torch.nn.Linear(64, 64).to(device), warmup=1)
+    with torch.no_grad():
+        for _ in range(2):
+            sizer(x)
+    one = autograph.stats(sizer)[0].graph_bytes
+    first, second = torch.nn.Linear(64, 64).to(device), Paused(64, 64).to(device)
+    region = autograph.region(
+        warmup=1, check_payoff=False, verify=3, max_graph_memory=int(one * 1.5)
+    )
+    with torch.no_grad(), region:
+        second(x), second(x)  # its warmup, then its capture; verify checks its next replays
+    worker, errors, outputs = _called_in_a_thread(
+        region, second, x, before=lambda: setattr(pause, "here", True)
+    )
+    try:
+        assert entered.wait(10)
+        with torch.no_grad(), region:
+            first(x), first(x)  # its capture drops the other graph to stay within the budget
+    finally:
+        go_on.set()
+        worker.join(10)
+    assert errors == []
+    torch.testing.assert_close(
+        outputs[0], torch.nn.functional.linear(x, second.weight, second.bias)
+    )
+    assert autograph.stats(second)[0].evictions == 1
