@@ -605,7 +605,7 @@ def _record(life: KeyLife, c: Call) -> Graph:
     cannot be."""
     label = f"{life.function.name}({life.label})"
     owner = c.region.pools if c.region is not None else c.cache.pools
-    if life.trains or (torch.is_grad_enabled() and life.builds_graph is not False):
+    if torch.is_grad_enabled() and life.builds_graph is not False:  # trains, or a whole step
         owner = Pools()  # memory outliving its replay (activations, .grad): see "Pools"
     pool = owner.get(life.backend, life.device)
     # The warmup's cuDNN ops made this thread's handle; another thread needs one made

@@ -17,32 +17,49 @@ from autograph.testing import emulate_graphs_on_cpu
 from autograph.watch._slots import Registrations
 
 
-def _called_in_a_thread(region, module, x, before=lambda: None):
-    """Call ``module(x)`` in ``region`` in a new thread: (the thread, started; its errors;
-    its outputs)."""
+def _one_and_a_half_graphs(x):
+    """A memory budget for one graph of ``Linear(64, 64)`` at ``x``, not two."""
+    sizer = autograph.graphed(torch.nn.Linear(64, 64).to(x.device), warmup=1)
+    with torch.no_grad():
+        sizer(x), sizer(x)
+    return int(autograph.stats(sizer)[0].graph_bytes * 1.5)
+
+
+def _second_dropped_while_called(region, first, second, x, paused, go_on, before=lambda: None):
+    """Call ``second(x)`` in ``region`` in a new thread until it pauses (``paused``); capture
+    ``first`` meanwhile, which drops second's graph for the budget; let the thread go on. Its
+    call must give second's result, not an error."""
     errors, outputs = [], []
 
     def call():
         before()
         try:
             with torch.no_grad(), region:
-                outputs.append(module(x))
-        except Exception as error:  # noqa: BLE001 - the test asserts there are none
+                outputs.append(second(x))
+        except Exception as error:  # noqa: BLE001 - asserted below
             errors.append(error)
 
     worker = threading.Thread(target=call)
     worker.start()
-    return worker, errors, outputs
+    try:
+        assert paused.wait(10)
+        with torch.no_grad(), region:
+            first(x), first(x)
+    finally:
+        go_on.set()
+        worker.join(10)
+    assert errors == []
+    expected = torch.nn.functional.linear(x, second.weight, second.bias)
+    torch.testing.assert_close(outputs[0], expected)
 
 
 def test_a_call_capturing_again_survives_another_threads_eviction_of_its_graph(monkeypatch):
     with emulate_graphs_on_cpu(), torch.no_grad():
         x = torch.randn(32, 64)
-        sizer = autograph.graphed(torch.nn.Linear(64, 64), warmup=1)
-        sizer(x), sizer(x)
-        one = autograph.stats(sizer)[0].graph_bytes
         first, second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
-        region = autograph.region(warmup=1, check_payoff=False, max_graph_memory=int(one * 1.5))
+        region = autograph.region(
+            warmup=1, check_payoff=False, max_graph_memory=_one_and_a_half_graphs(x)
+        )
         with region:
             second(x), second(x)
         kept = second.weight  # held elsewhere (an optimizer): the replaced slot tells
@@ -57,18 +74,7 @@ def test_a_call_capturing_again_survives_another_threads_eviction_of_its_graph(m
             return invalidate(*args)
 
         monkeypatch.setattr(_key_life, "_invalidate", paused)
-        worker, errors, outputs = _called_in_a_thread(region, second, x)
-        try:
-            assert entered.wait(10)
-            with region:
-                first(x), first(x)  # its capture drops second's graph for the budget
-        finally:
-            go_on.set()
-            worker.join(10)
-        assert errors == []
-        torch.testing.assert_close(
-            outputs[0], torch.nn.functional.linear(x, second.weight, second.bias)
-        )
+        _second_dropped_while_called(region, first, second, x, entered, go_on)
         del kept
     autograph.reset()
 
@@ -186,29 +192,13 @@ def test_a_region_call_finishes_its_checked_replay_when_another_thread_drops_its
             return super().forward(x)
 
     x = torch.randn(32, 64, device=device)
-    sizer = autograph.graphed(torch.nn.Linear(64, 64).to(device), warmup=1)
-    with torch.no_grad():
-        for _ in range(2):
-            sizer(x)
-    one = autograph.stats(sizer)[0].graph_bytes
     first, second = torch.nn.Linear(64, 64).to(device), Paused(64, 64).to(device)
     region = autograph.region(
-        warmup=1, check_payoff=False, verify=3, max_graph_memory=int(one * 1.5)
+        warmup=1, check_payoff=False, verify=3, max_graph_memory=_one_and_a_half_graphs(x)
     )
     with torch.no_grad(), region:
         second(x), second(x)  # its warmup, then its capture; verify checks its next replays
-    worker, errors, outputs = _called_in_a_thread(
-        region, second, x, before=lambda: setattr(pause, "here", True)
-    )
-    try:
-        assert entered.wait(10)
-        with torch.no_grad(), region:
-            first(x), first(x)  # its capture drops the other graph to stay within the budget
-    finally:
-        go_on.set()
-        worker.join(10)
-    assert errors == []
-    torch.testing.assert_close(
-        outputs[0], torch.nn.functional.linear(x, second.weight, second.bias)
+    _second_dropped_while_called(
+        region, first, second, x, entered, go_on, before=lambda: setattr(pause, "here", True)
     )
     assert autograph.stats(second)[0].evictions == 1

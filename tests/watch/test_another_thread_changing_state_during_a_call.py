@@ -74,6 +74,15 @@ def test_a_weight_replaced_while_another_thread_replays_is_seen():
         torch.testing.assert_close(got, torch.nn.functional.linear(x, new, m.bias))
 
 
+def _assert_the_hook_doubles(m, x):
+    """A later call of ``m`` runs the forward hook (``out * 2``) added to ``m.inner``."""
+    with torch.no_grad():
+        got = m(x)
+    autograph.reset()
+    w, b = m.inner.weight, m.inner.bias
+    torch.testing.assert_close(got, 2 * torch.nn.functional.linear(x, w, b))
+
+
 class Wrapper(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -121,11 +130,7 @@ def test_a_hook_added_while_another_thread_replays_runs_at_later_calls():
             adder.join(10)
         finally:
             RemovableHandle.__init__ = original
-        with torch.no_grad():
-            got = m(x)
-        autograph.reset()
-        w, b = m.inner.weight, m.inner.bias
-        torch.testing.assert_close(got, 2 * torch.nn.functional.linear(x, w, b))
+        _assert_the_hook_doubles(m, x)
 
 
 class Gated(torch.nn.Linear):
@@ -203,11 +208,7 @@ def test_a_forward_hook_added_during_anothers_capture_runs_at_later_calls():
             m.inner.register_forward_hook(lambda mod, inp, out: out * 2)
 
         _capture_in_a_thread(m, x, hook)
-        with torch.no_grad():
-            got = m(x)
-        autograph.reset()
-        w, b = m.inner.weight, m.inner.bias
-        torch.testing.assert_close(got, 2 * torch.nn.functional.linear(x, w, b))
+        _assert_the_hook_doubles(m, x)
 
 
 class Net(torch.nn.Module):
