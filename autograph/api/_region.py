@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import threading
 import weakref
 from typing import Any, Dict, List, Set
@@ -231,6 +232,7 @@ def _install_module_call() -> None:
                 and getattr(_original_call, "__code__", None) is _torch_call_code
             )
             torch.nn.Module.__call__ = _region_call  # type: ignore[method-assign]
+            _tell_dynamo(_original_call, _region_call)
         _patch_users += 1
 
 
@@ -240,3 +242,24 @@ def _remove_module_call() -> None:
         _patch_users -= 1
         if _patch_users == 0:
             torch.nn.Module.__call__ = _original_call  # type: ignore[method-assign]
+            _tell_dynamo(_region_call, _original_call)
+
+
+def _tell_dynamo(was: Any, now: Any) -> None:
+    """Have Dynamo take ``now`` for torch's own ``nn.Module.__call__`` where it took ``was``.
+
+    Dynamo traces a module's call as a call of its forward (its hooks checked as it traces)
+    only where ``__call__`` is the function it found at its import; through the dispatcher it
+    traces torch's whole call of every submodule, each adding guards that every later call of
+    the compiled code checks: transformers' compiled decode step (``generate()`` with a static
+    cache) ran 0.92x as fast in a region as outside on an H100, with 43 us more of Dynamo's
+    cache lookup a token. Under Dynamo the dispatcher is torch's call (``_region_call``
+    steps aside), so Dynamo may take one for the other. Its own tracing must see the dispatcher
+    all the same: code that names ``nn.Module.__call__`` (``super().__call__()``, transformers'
+    decoder layers) is guarded on it. Dynamo imported while a region is open took the
+    dispatcher at its import, and gets the original back when the last region closes. Dynamo is
+    never imported for this (a second of start-up); without the private name, nothing is done.
+    """
+    dynamo_modules = sys.modules.get("torch._dynamo.variables.nn_module")
+    if getattr(dynamo_modules, "unpatched_nn_module_call", None) is was:
+        dynamo_modules.unpatched_nn_module_call = now  # type: ignore[union-attr]

@@ -191,9 +191,9 @@ def test_a_region_call_finishes_its_checked_replay_when_another_thread_drops_its
                 go_on.wait(10)
             return super().forward(x)
 
-    # 4 MiB an output: CUDA's allocator hands a pool whole 2 MiB segments, and graphs of
-    # smaller outputs share one, so that the budget would never bind.
-    x = torch.randn(16384, 64, device=device)
+    # 16 MiB an output: CUDA's allocator puts requests under 10 MiB into 20 MiB segments,
+    # which small graphs of one pool share, so that the budget would never bind.
+    x = torch.randn(65536, 64, device=device)
     first, second = torch.nn.Linear(64, 64).to(device), Paused(64, 64).to(device)
     region = autograph.region(
         warmup=1, check_payoff=False, verify=3, max_graph_memory=_one_and_a_half_graphs(x)

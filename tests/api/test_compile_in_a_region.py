@@ -1,0 +1,99 @@
+"""Dynamo compiling inside a region (transformers compiles a static cache's decode step there):
+it traces a module's call as a call of its forward, as it does outside one, so the compiled
+code's guards, checked at each of its calls, are no more than outside; code that names
+``nn.Module.__call__`` itself compiles at most once for each side, not at every call."""
+
+import torch
+import torch._dynamo
+from torch._dynamo.variables import nn_module as dynamo_modules
+
+import autograph
+from autograph.api import _region
+
+
+class Recorder:
+    """A Dynamo backend that counts compiles and keeps the files in the traced nodes' stacks."""
+
+    def __init__(self):
+        self.compiles, self.stacks = 0, []
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        self.stacks += [n.meta.get("stack_trace") or "" for n in gm.graph.nodes]
+        return gm.forward
+
+
+def _model(layer=torch.nn.Linear):
+    return torch.nn.Sequential(layer(8, 8), torch.nn.ReLU(), layer(8, 8))
+
+
+class CallsSuper(torch.nn.Linear):
+    """Calls ``nn.Module.__call__`` by name, as transformers' decoder layers do."""
+
+    def __call__(self, *args, **kwargs):
+        return super().__call__(*args, **kwargs)
+
+
+def test_dynamo_traces_a_module_call_in_a_region_as_a_call_of_its_forward():
+    torch._dynamo.reset()
+    model, x, recorder = _model(), torch.randn(2, 8), Recorder()
+    compiled = torch.compile(lambda x: model(x), backend=recorder)
+    with torch.no_grad(), autograph.region():
+        out = compiled(x)
+    torch.testing.assert_close(out, model(x))
+    traced = [s for s in recorder.stacks if s]
+    assert traced and not [s for s in traced if "autograph" in s]  # no dispatcher frame
+    torch._dynamo.reset()
+
+
+def test_dynamo_takes_the_dispatcher_for_torchs_call_only_while_a_region_is_open():
+    with autograph.region():
+        assert dynamo_modules.unpatched_nn_module_call is _region._region_call
+        with autograph.region():
+            assert dynamo_modules.unpatched_nn_module_call is _region._region_call
+        assert dynamo_modules.unpatched_nn_module_call is _region._region_call
+    assert dynamo_modules.unpatched_nn_module_call is torch.nn.Module.__call__
+
+
+def test_code_compiled_in_a_region_runs_in_and_out_of_regions_without_compiling_again():
+    torch._dynamo.reset()
+    model, x, recorder = _model(), torch.randn(2, 8), Recorder()
+    compiled = torch.compile(lambda x: model(x), backend=recorder)
+    with torch.no_grad():
+        with autograph.region():
+            compiled(x)
+        for _ in range(3):
+            compiled(x)
+            with autograph.region():
+                torch.testing.assert_close(compiled(x), model(x))
+    assert recorder.compiles == 1
+    torch._dynamo.reset()
+
+
+def test_code_that_names_the_module_call_compiles_at_most_once_for_each_side_of_a_region():
+    torch._dynamo.reset()
+    model, x, recorder = _model(CallsSuper), torch.randn(2, 8), Recorder()
+    compiled = torch.compile(lambda x: model(x), backend=recorder)
+    with torch.no_grad():
+        for _ in range(4):
+            with autograph.region():
+                torch.testing.assert_close(compiled(x), model(x))
+        assert recorder.compiles == 1
+        for _ in range(4):
+            compiled(x)
+            with autograph.region():
+                compiled(x)
+    assert recorder.compiles <= 2  # torch 2.13 guards on the call it named, 2.9 does not
+    torch._dynamo.reset()
+
+
+def test_a_region_graphs_its_module_calls_after_a_compile_inside_it(emulated):
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: _model()(x), backend=Recorder())
+    graphed_later, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    with torch.no_grad(), autograph.region(warmup=1) as region:
+        compiled(x)
+        for _ in range(3):
+            graphed_later(x)
+    assert (region.stats().captures, region.stats().replays) == (1, 2)
+    torch._dynamo.reset()
