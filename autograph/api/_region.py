@@ -31,7 +31,7 @@ from .._profile import torch_profiler
 from .._scope import enter_region, leave_region, thread
 from .._stats import KeyStats
 from ..backends._pool import Pools
-from ..engine._engine import Engine, _is_compiling
+from ..engine._engine import Engine, _dynamo_callback, _is_compiling
 from ..policy._islands import register as register_islands
 from ._graphed import GraphedForward, forward_signature, installed_forward, module_label
 
@@ -192,8 +192,11 @@ def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
             return module._call_impl(*args, **kwargs)
         return _original_call(module, *args, **kwargs)
     if (
-        not thread.regions or thread.off or isinstance(installed_forward(module), GraphedForward)
-    ):  # graphed(module) graphs itself
+        not thread.regions
+        or thread.off
+        or isinstance(installed_forward(module), GraphedForward)  # graphs itself
+        or _dynamo_callback() is not None  # run by compiled code: torch's ("_tell_dynamo")
+    ):
         return _original_call(module, *args, **kwargs)
     engine = _module_engines.get(module)
     if engine is None:
@@ -233,6 +236,7 @@ def _install_module_call() -> None:
             )
             torch.nn.Module.__call__ = _region_call  # type: ignore[method-assign]
             _tell_dynamo(_original_call, _region_call)
+            _keep_out_of_dynamos_frames()
         _patch_users += 1
 
 
@@ -263,3 +267,23 @@ def _tell_dynamo(was: Any, now: Any) -> None:
     dynamo_modules = sys.modules.get("torch._dynamo.variables.nn_module")
     if getattr(dynamo_modules, "unpatched_nn_module_call", None) is was:
         dynamo_modules.unpatched_nn_module_call = now  # type: ignore[union-attr]
+
+
+def _keep_out_of_dynamos_frames() -> None:
+    """Have Dynamo run the dispatcher's frame as written and compile the frames it calls.
+
+    Where compiled code runs a module call eagerly (after a graph break, a module compiled on
+    its own, transformers' compiled ``model.__call__`` made in a region), Dynamo compiled the
+    dispatcher as the frame it starts from, as it would torch's call were it not in its skip
+    list: every module type then took an entry of the one code object's cache, and past
+    Dynamo's recompile limit (8) compiled code in a region ran uncompiled; and a module's full
+    backward hooks were lost, so gradients came out wrong (torch does this to any function
+    put in ``nn.Module.__call__``). Skipped, the dispatcher hands such a call to torch's call
+    (it runs under Dynamo's frame hook), whose module's forward Dynamo compiles as it does
+    outside a region. Only the frame is skipped: Dynamo still traces the dispatcher where it
+    is inlined (a module with hooks, ``super().__call__()``). Done at each first region, as
+    ``torch._dynamo.reset()`` may forget it; where Dynamo is not imported nothing is done.
+    """
+    skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip_code is not None:
+        skip_code(_region_call.__code__)

@@ -3,6 +3,8 @@ it traces a module's call as a call of its forward, as it does outside one, so t
 code's guards, checked at each of its calls, are no more than outside; code that names
 ``nn.Module.__call__`` itself compiles at most once for each side, not at every call."""
 
+import math
+
 import torch
 import torch._dynamo
 from torch._dynamo.variables import nn_module as dynamo_modules
@@ -96,4 +98,55 @@ def test_a_region_graphs_its_module_calls_after_a_compile_inside_it(emulated):
         for _ in range(3):
             graphed_later(x)
     assert (region.stats().captures, region.stats().replays) == (1, 2)
+    torch._dynamo.reset()
+
+
+def test_a_full_backward_hook_runs_for_compiled_code_run_in_a_region():
+    # Dynamo breaks its graph at a module with full backward hooks and runs that call itself;
+    # starting a compile from a function put in nn.Module.__call__, torch drops the hook.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    hooked = torch.nn.Linear(8, 8)
+    hooked.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 10,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), hooked)
+    x = torch.randn(2, 8, requires_grad=True)
+    compiled = torch.compile(lambda x: model(x), backend="eager")
+
+    def input_grad(call):
+        x.grad = None
+        call(x).sum().backward()
+        return x.grad.clone()
+
+    expected = input_grad(model)
+    with autograph.region():
+        torch.testing.assert_close(input_grad(compiled), expected)
+    torch.testing.assert_close(input_grad(compiled), expected)
+    torch._dynamo.reset()
+
+
+def _module_classes(count):
+    """``count`` module classes, each with a forward of its own code (Dynamo's cache is per code
+    object; torch.nn's own modules are not compiled as a frame of their own)."""
+    classes = []
+    for i in range(count):
+        namespace = {}
+        exec(f"def forward(self, x):\n    return x * {i + 2}", namespace)  # noqa: S102
+        classes.append(type(f"Scale{i}", (torch.nn.Module,), {"forward": namespace["forward"]}))
+    return classes
+
+
+def test_a_compiled_container_of_many_module_classes_stays_compiled_in_a_region():
+    # Dynamo does not compile torch.nn's own frames (a Sequential's forward): it runs them and
+    # starts compiling at each module call they make, at the module's forward, not at the
+    # dispatcher, one frame shared by every module class that would pass Dynamo's recompile
+    # limit (8), after which the rest ran uncompiled.
+    torch._dynamo.reset()
+    model, recorder = torch.nn.Sequential(*[cls() for cls in _module_classes(10)]), Recorder()
+    model.compile(backend=recorder)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), autograph.region():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), x * math.prod(range(2, 12)))
+    assert recorder.compiles == 10
+    assert not [s for s in recorder.stacks if "autograph" in s]
     torch._dynamo.reset()
