@@ -281,9 +281,16 @@ def _keep_out_of_dynamos_frames() -> None:
     put in ``nn.Module.__call__``). Skipped, the dispatcher hands such a call to torch's call
     (it runs under Dynamo's frame hook), whose module's forward Dynamo compiles as it does
     outside a region. Only the frame is skipped: Dynamo still traces the dispatcher where it
-    is inlined (a module with hooks, ``super().__call__()``). Done at each first region, as
-    ``torch._dynamo.reset()`` may forget it; where Dynamo is not imported nothing is done.
+    is inlined (a module with hooks, ``super().__call__()``). Set through torch's C extension
+    (what ``torch._dynamo.eval_frame.skip_code`` calls), so that it holds from the first
+    compile even where Dynamo is first imported inside a region (``torch.compile`` called
+    there), and again at each first region, as ``torch._dynamo.reset()`` may forget it.
     """
-    skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip_code is not None:
-        skip_code(_region_call.__code__)
+    eval_frame = torch._C._dynamo.eval_frame
+    try:
+        skip = eval_frame._FrameExecStrategy(
+            eval_frame._FrameAction.SKIP, eval_frame._FrameAction.DEFAULT
+        )
+    except AttributeError:  # a torch without it: Dynamo may start compiles at the dispatcher
+        return
+    eval_frame.set_code_exec_strategy(_region_call.__code__, skip)

@@ -4,6 +4,10 @@ code's guards, checked at each of its calls, are no more than outside; code that
 ``nn.Module.__call__`` itself compiles at most once for each side, not at every call."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch._dynamo
@@ -150,3 +154,30 @@ def test_a_compiled_container_of_many_module_classes_stays_compiled_in_a_region(
     assert recorder.compiles == 10
     assert not [s for s in recorder.stacks if "autograph" in s]
     torch._dynamo.reset()
+
+
+_FIRST_COMPILE_IN_A_REGION = """
+import sys, torch, autograph
+assert "torch._dynamo" not in sys.modules
+torch.manual_seed(0)
+hooked = torch.nn.Linear(8, 8)
+hooked.register_full_backward_hook(lambda module, grad_in, grad_out: (grad_in[0] * 10,))
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), hooked)
+x = torch.randn(2, 8, requires_grad=True)
+model(x).sum().backward()
+expected, x.grad = x.grad.clone(), None
+with autograph.region():
+    torch.compile(lambda x: model(x), backend="eager")(x).sum().backward()
+torch.testing.assert_close(x.grad, expected)
+"""
+
+
+def test_a_first_compile_inside_a_region_keeps_the_backward_hooks():
+    # Dynamo imported by torch.compile inside the region: the dispatcher's frame is skipped
+    # from the start (set through torch's C extension, which needs no import of Dynamo).
+    subprocess.run(
+        [sys.executable, "-c", _FIRST_COMPILE_IN_A_REGION],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(autograph.__file__).parents[1])},
+        timeout=300,
+    )
