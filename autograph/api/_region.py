@@ -209,7 +209,8 @@ def _region_call(module: torch.nn.Module, /, *args: Any, **kwargs: Any) -> Any:
             instance_label=type(module).__name__,
             automatic=True,
         )
-    return engine(_original_call.__get__(module), module, args, kwargs)
+    # Engine.__call__'s checks were made above: straight to the route, a frame less a call.
+    return engine.route(_original_call.__get__(module), module, args, kwargs)
 
 
 def _class_forward(module: torch.nn.Module) -> Any:
